@@ -1,0 +1,122 @@
+"""Configuration dataclasses, built once (CLI or Python API), validated, then frozen.
+
+Each component receives only its own part: the scheduler a `SchedulerConfig`, the
+KV cache manager a `CacheConfig`, the model runner a `ModelConfig` and `LoadConfig`.
+No module reads the environment on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture facts of one decoder-only model (from config.json or GGUF metadata).
+
+    One decoder implementation covers every supported family; the flags below are the
+    only differences between Llama 1/2/3, Mistral, SmolLM/SmolLM2, Qwen2/2.5 and Qwen3.
+    """
+
+    architecture: str  # family: "llama" (also Mistral, SmolLM), "qwen2", "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Hugging Face's rope_scaling dict, e.g. {"rope_type": "llama3", "factor": 8.0, ...}; None = plain RoPE.
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = ""  # a display name (the served model name defaults to it)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes per token at 2 bytes per element (K and V, every layer)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """Where the weights come from and in what precision they run."""
+
+    model: str | None = None  # None = the default model; else a path (GGUF file / HF dir) or a hub id
+    load_format: str = "auto"  # "auto" | "gguf" | "hf" | "dummy"
+    dtype: str = "auto"  # "auto" (bfloat16 on CPU) | "float32" | "bfloat16" | "float16"
+    seed: int = 0  # seeds dummy weights and the global sampler generator
+    device: str = "cpu"
+    # Overrides for a dummy model's config: path to a config.json (dummy weights of a real shape).
+    hf_config_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "gguf", "hf", "dummy"):
+            raise ValueError(f"load_format must be auto, gguf, hf or dummy, not {self.load_format!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size, memory budget, prefix caching."""
+
+    block_size: int = 16
+    # Bytes for the KV pool; None = derive from num_gpu_blocks_override or a default of 1 GiB on CPU.
+    kv_cache_memory: int | None = None
+    num_blocks_override: int | None = None  # exact number of blocks (tests force preemption with this)
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
+        if self.num_blocks_override is not None and self.num_blocks_override < 1:
+            raise ValueError(f"num_blocks_override must be >= 1, got {self.num_blocks_override}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits: one token budget covers prefill chunks and decodes."""
+
+    max_num_seqs: int = 64  # running requests at most
+    max_num_batched_tokens: int = 2048  # tokens per step (prefill chunks + decodes)
+    max_model_len: int = 2048  # prompt + output tokens of one request
+    enable_chunked_prefill: bool = True
+    # A single prefill chunk takes at most this many tokens (0 = no extra cap), so that
+    # a long prompt leaves room in the step for other requests' decodes.
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "without chunked prefill, max_num_batched_tokens must be >= max_model_len "
+                f"({self.max_num_batched_tokens} < {self.max_model_len})"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, grouped by concern."""
+
+    load: LoadConfig = field(default_factory=LoadConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    num_threads: int | None = None  # torch intra-op threads; None = all cores

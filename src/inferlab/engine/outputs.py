@@ -1,0 +1,85 @@
+"""The plain dataclasses where the scheduler and the model runner meet.
+
+    Scheduler.schedule() ──► SchedulerOutput ──► ModelRunner.execute()
+    Scheduler.update()   ◄── ModelRunnerOutput ◄──┘
+    Scheduler.update()   ──► list[EngineCoreOutput] ──► output processor (detokenize, stop strings)
+
+Scheduler and runner live in one process, so lists here may be references to the
+request's own lists: the runner only reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from inferlab.engine.request import SamplingParams, TokenLogprobs
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: compute `token_ids` at positions start_pos, start_pos+1, ..."""
+
+    request_id: str
+    token_ids: list[int]  # the tokens computed this step (a prompt chunk, or the last sampled token)
+    start_pos: int  # num_computed_tokens before this step = position of token_ids[0]
+    block_ids: list[int]  # the request's whole block table (read only); slot of position p: block_ids[p // B] * B + p % B
+    sample: bool  # this chunk reaches the end of the known tokens: sample one new token from its last position
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]  # read only: repetition penalty
+    output_token_ids: list[int]  # read only: penalties, min_tokens, the seeded generator's offset
+    eos_token_ids: tuple[int, ...] = ()  # masked out while fewer than min_tokens are out
+
+
+@dataclass
+class SchedulerOutput:
+    """One engine step: which requests compute how many tokens. No tensors."""
+
+    scheduled: list[ScheduledRequest]  # order = order of tokens in the flat batch
+    num_scheduled_tokens: int  # sum of len(s.token_ids)
+    # Requests that left since the last step (finished, aborted or preempted): the runner drops their state.
+    finished_request_ids: set[str] = field(default_factory=set)
+    preempted_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one forward pass produced: one sampled token per request with `sample=True`."""
+
+    request_ids: list[str]  # requests that sampled, in the order of SchedulerOutput.scheduled
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None  # parallel to request_ids when any request asked
+    step_time: float = 0.0  # seconds spent in the forward pass and sampling
+
+
+@dataclass
+class EngineCoreOutput:
+    """What the scheduler reports per request after a step (new tokens, finish)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id that ended it
+    num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot for /metrics and logs."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # 0..1, used blocks / all blocks (cached-but-free blocks count as free)
+    num_blocks: int = 0
+    block_size: int = 16
+    prefix_cache_queries: int = 0  # tokens looked up, cumulative
+    prefix_cache_hits: int = 0  # tokens found, cumulative
+    num_preemptions: int = 0  # cumulative

@@ -1,0 +1,282 @@
+"""The request's data: what the user asked for (`SamplingParams`), the engine's state for it
+(`Request`) and what comes back (`RequestOutput`).
+
+Pure Python, no torch: the scheduler, the KV cache manager and the planner's simulator use it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop. Invalid values raise `ValueError` naming the field."""
+
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # in (0, 1]
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0  # in [0, 1]
+    seed: int | None = None  # per-request generator: same tokens whatever else is in the batch
+    presence_penalty: float = 0.0  # [-2, 2], OpenAI's
+    frequency_penalty: float = 0.0  # [-2, 2], OpenAI's
+    repetition_penalty: float = 1.0  # > 0, 1 = off; divides positive logits of seen tokens (prompt + output)
+    max_tokens: int | None = 16  # None = up to the context window
+    min_tokens: int = 0  # EOS and stop tokens are masked until this many tokens are out
+    stop: list[str] = field(default_factory=list)  # stop strings, matched on decoded text
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # None = none; k >= 0 = the chosen token's logprob and the top k
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None or self.top_k == -1:
+            self.top_k = 0
+        self._check()
+
+    def _check(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.temperature is None or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be 0 (off), -1 (off) or a positive integer, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # blocks freed; back in the waiting queue, recomputed when resumed
+    FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or the context window
+    FINISHED_ABORTED = "abort"  # cancelled by the client or a deadline
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "error")
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's finish_reason for a finished status, else None."""
+        return self.value if self.finished else None
+
+
+@dataclass
+class Request:
+    """The engine's state for one sequence. Tokens, not phases:
+
+        all_token_ids:  | prompt ........................ | output ..... |
+                        |<-- num_computed_tokens -->|<-- scheduled -->|
+                        |<-- num_cached_tokens -->|  (prefix-cache hit at first schedule)
+
+    A step computes tokens [num_computed_tokens, num_computed_tokens + n); when that reaches
+    `num_tokens`, the step samples one new token. Prefill, chunked prefill, decode and
+    recomputation after preemption are all this one rule.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None  # isolates prefix-cache entries (e.g. per tenant)
+    use_prefix_cache: bool = True  # False: reuse no cached prefix (llama.cpp's cache_prompt=false)
+    max_model_len: int | None = None  # the context window; checked by the scheduler
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at the first schedule; -1 = not scheduled yet
+    status: RequestStatus = RequestStatus.WAITING
+    # Chained hashes of the full blocks of all_token_ids, filled by the KV cache manager.
+    block_hashes: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    # Timings (time.monotonic()); None until they happen.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_at(self, i: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability under the model (before temperature and penalties)."""
+
+    token_id: int
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token
+
+
+# Per generated token: the chosen token's Logprob and the top k alternatives (k = SamplingParams.logprobs).
+TokenLogprobs = tuple[Logprob, list[Logprob]]
+
+
+@dataclass
+class RequestMetrics:
+    """Where one request's time went, in llama.cpp's and vLLM's terms."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def queue_ms(self) -> float:
+        """Arrival to first scheduled."""
+        if self.first_scheduled_time is None:
+            return 0.0
+        return (self.first_scheduled_time - self.arrival_time) * 1000.0
+
+    @property
+    def prompt_ms(self) -> float:
+        """First scheduled to first token: reading the prompt (prefill)."""
+        if self.first_token_time is None or self.first_scheduled_time is None:
+            return 0.0
+        return (self.first_token_time - self.first_scheduled_time) * 1000.0
+
+    @property
+    def predicted_ms(self) -> float:
+        """First token to last token: writing the answer (decode)."""
+        if self.first_token_time is None or self.last_token_time is None:
+            return 0.0
+        return (self.last_token_time - self.first_token_time) * 1000.0
+
+    @property
+    def ttft_ms(self) -> float:
+        if self.first_token_time is None:
+            return 0.0
+        return (self.first_token_time - self.arrival_time) * 1000.0
+
+    def timings(self) -> dict[str, Any]:
+        """llama.cpp's `timings` object plus `queue_ms`.
+
+        prompt_n counts the prompt tokens actually computed (cache hits excluded); decode
+        rates count the tokens after the first, whose time `predicted_ms` measures.
+        """
+        prompt_n = max(self.num_prompt_tokens - self.num_cached_tokens, 0)
+        predicted_n = self.num_generated_tokens
+        pms, dms = self.prompt_ms, self.predicted_ms
+        decode_tokens = max(predicted_n - 1, 0)
+        return {
+            "cache_n": self.num_cached_tokens,
+            "prompt_n": prompt_n,
+            "prompt_ms": pms,
+            "prompt_per_token_ms": pms / prompt_n if prompt_n else 0.0,
+            "prompt_per_second": prompt_n * 1000.0 / pms if pms > 0 else 0.0,
+            "predicted_n": predicted_n,
+            "predicted_ms": dms,
+            "predicted_per_token_ms": dms / decode_tokens if decode_tokens else 0.0,
+            "predicted_per_second": decode_tokens * 1000.0 / dms if dms > 0 else 0.0,
+            "queue_ms": self.queue_ms,
+        }
+
+
+@dataclass
+class CompletionOutput:
+    """One of the n sequences of a request. `text`/`token_ids` are cumulative; the `*_delta`
+    fields hold what is new since the previous RequestOutput (streaming)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    text_delta: str = ""
+    token_ids_delta: list[int] = field(default_factory=list)
+    logprobs_delta: list[TokenLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """What the engine reports for a request: after every step while streaming, once at the end offline."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None  # set when the request failed inside the engine
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.metrics.num_cached_tokens
