@@ -1,0 +1,187 @@
+"""`LLMEngine`: one object that owns the tokenizer, the scheduler and the model runner, and
+moves every request one step forward per `step()` call. Not thread-safe: `AsyncLLM` runs it
+on one thread; the offline `LLM` calls it in a loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+
+import torch
+
+from inferlab.config import EngineConfig
+from inferlab.engine.errors import ContextLengthError
+from inferlab.engine.model_runner import ModelRunner
+from inferlab.engine.output_processor import OutputProcessor
+from inferlab.engine.outputs import SchedulerStats
+from inferlab.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
+from inferlab.engine.scheduler import Scheduler
+from inferlab.models.loader import load_model
+from inferlab.models.registry import resolve_model
+from inferlab.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        load = config.load
+        if load.load_format == "dummy" and load.model is None and load.hf_config_path is None:
+            raise ValueError("load_format='dummy' needs a model (a config.json or a model directory)")
+        resolved = resolve_model(load.model) if load.load_format != "dummy" or load.model else None
+        loaded = load_model(load, resolved.path if resolved is not None else None)
+        self.model_config = loaded.config
+        self.model_name = (resolved.name if resolved is not None else "") or loaded.config.name or "model"
+        self.tokenizer = _load_tokenizer(resolved)
+
+        self.runner = ModelRunner(loaded.config, loaded.weights, load, config.cache)
+        del loaded
+        self.num_blocks = self.runner.num_blocks
+        # The context window: what the user asked, what the model was trained for, and what the
+        # KV pool can hold for one request (else a lone long request would preempt itself forever).
+        pool_tokens = self.num_blocks * config.cache.block_size
+        max_len = min(config.scheduler.max_model_len, self.model_config.max_position_embeddings, pool_tokens)
+        if max_len < config.scheduler.max_model_len:
+            logger.info("max_model_len %d -> %d (model limit %d, KV pool %d tokens)", config.scheduler.max_model_len,
+                        max_len, self.model_config.max_position_embeddings, pool_tokens)
+        self.scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_len)
+        if not self.scheduler_config.enable_chunked_prefill and self.scheduler_config.max_num_batched_tokens < max_len:
+            self.scheduler_config = dataclasses.replace(self.scheduler_config, max_num_batched_tokens=max_len)
+        self.cache_config = config.cache
+        self.config = dataclasses.replace(config, scheduler=self.scheduler_config)
+        self.scheduler = Scheduler(self.scheduler_config, config.cache, self.num_blocks)
+        self.eos_token_ids = tuple(
+            sorted(set(self.model_config.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ()))
+        )
+        self.output_processor = OutputProcessor(self._make_detokenizer)
+        self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
+        self._ids = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler_config.max_model_len
+
+    def _make_detokenizer(self, prompt_token_ids: list[int], params: SamplingParams):
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            prompt_token_ids,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens,
+        )
+
+    # ------------------------------------------------------------------ requests
+
+    def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        return None, ids
+
+    def check_length(self, n_prompt: int, params: SamplingParams) -> None:
+        """Raises ContextLengthError when prompt + max_tokens exceed the context window."""
+        if n_prompt == 0:
+            raise ValueError("the prompt is empty")
+        n_ctx = self.max_model_len
+        if n_prompt >= n_ctx or (params.max_tokens is not None and n_prompt + params.max_tokens > n_ctx):
+            raise ContextLengthError(n_prompt, params.max_tokens, n_ctx)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        use_prefix_cache: bool = True,
+    ) -> None:
+        """Validate and queue a request; raises ValueError (ContextLengthError) on bad input."""
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.encode_prompt(prompt)
+        self.check_length(len(ids), params)
+        n = params.n
+        child_ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+        self.output_processor.add_request(request_id, child_ids, text, ids, params, arrival)
+        for i, cid in enumerate(child_ids):
+            child_params = params
+            if n > 1:
+                # Each child is its own sequence; seeded requests get distinct, reproducible seeds.
+                child_params = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            self.scheduler.add_request(
+                Request(
+                    request_id=cid,
+                    prompt_token_ids=ids,
+                    sampling_params=child_params,
+                    eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
+                    arrival_time=arrival,
+                    cache_salt=cache_salt,
+                    use_prefix_cache=use_prefix_cache,
+                    max_model_len=self.max_model_len,
+                )
+            )
+
+    def abort_request(self, request_ids: list[str] | str, reason: str = "abort", error: str | None = None) -> None:
+        """Finish requests now (client gone, deadline): blocks freed; a final output with
+        finish_reason `reason` comes out of the next step()."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        status = RequestStatus.FINISHED_ERROR if reason == "error" else RequestStatus.FINISHED_ABORTED
+        for rid in request_ids:
+            children = self.output_processor.child_ids(rid)
+            self.scheduler.finish_requests(children, status)
+            out = self.output_processor.abort(rid, time.monotonic(), reason, error)
+            if out is not None:
+                self._pending.append(out)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._pending) or self.scheduler.has_unfinished_requests()
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.get_stats()
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, update; the outputs of every request that moved."""
+        outputs, self._pending = self._pending, []
+        so = self.scheduler.schedule()
+        if so.is_empty:
+            return outputs
+        ro = self.runner.execute(so)
+        core = self.scheduler.update_from_output(so, ro)
+        now = time.monotonic()
+        step_outputs, stopped = self.output_processor.process(core, now)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        outputs.extend(step_outputs)
+        return outputs
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+
+def _load_tokenizer(resolved) -> Tokenizer | None:
+    if resolved is None:
+        return None
+    if resolved.format == "gguf":
+        return Tokenizer.from_gguf(resolved.path)
+    try:
+        return Tokenizer.from_pretrained_dir(resolved.path)
+    except (OSError, ValueError) as e:
+        logger.warning("no tokenizer in %s (%s): prompts must be token ids", resolved.path, e)
+        return None

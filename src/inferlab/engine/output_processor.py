@@ -1,0 +1,199 @@
+"""From the scheduler's token ids to what users see: detokenized text deltas, stop strings,
+n > 1 fan-in, timings.
+
+Each user request becomes n scheduler requests ("children"); this module folds their
+progress back into one `RequestOutput` per user request per step. A stop string found here
+ends a child early: the engine then tells the scheduler to finish it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from inferlab.engine.outputs import EngineCoreOutput
+from inferlab.engine.request import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams, TokenLogprobs
+
+
+@dataclass
+class _Sequence:
+    """One of a request's n sequences."""
+
+    index: int
+    detok: object | None  # an IncrementalDetokenizer, or None when detokenize is off
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    delta_text: str = ""
+    delta_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequences: list[_Sequence]
+    metrics: RequestMetrics
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences)
+
+
+class OutputProcessor:
+    def __init__(self, make_detokenizer):
+        """make_detokenizer(prompt_token_ids, params) -> IncrementalDetokenizer | None."""
+        self._make_detok = make_detokenizer
+        self.requests: dict[str, _RequestState] = {}
+        self.child_to_parent: dict[str, tuple[str, int]] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        child_ids: list[str],
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+    ) -> None:
+        seqs = []
+        for i, cid in enumerate(child_ids):
+            seqs.append(
+                _Sequence(
+                    index=i,
+                    detok=self._make_detok(prompt_token_ids, params),
+                    logprobs=[] if params.logprobs is not None else None,
+                )
+            )
+            self.child_to_parent[cid] = (request_id, i)
+        self.requests[request_id] = _RequestState(
+            request_id,
+            prompt,
+            prompt_token_ids,
+            params,
+            seqs,
+            RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids)),
+        )
+
+    def child_ids(self, request_id: str) -> list[str]:
+        return [c for c, (p, _) in self.child_to_parent.items() if p == request_id]
+
+    def process(self, core_outputs: list[EngineCoreOutput], now: float) -> tuple[list[RequestOutput], list[str]]:
+        """Fold one step's outputs in. Returns the RequestOutputs to emit and the child ids a
+        stop string finished (the engine finishes them in the scheduler)."""
+        touched: dict[str, _RequestState] = {}
+        stopped_children: list[str] = []
+        for co in core_outputs:
+            ref = self.child_to_parent.get(co.request_id)
+            if ref is None:
+                continue
+            state = self.requests[ref[0]]
+            seq = state.sequences[ref[1]]
+            if seq.finish_reason is not None:
+                continue
+            touched[state.request_id] = state
+            self._update_metrics(state.metrics, co)
+            if self._apply_tokens(state, seq, co):
+                stopped_children.append(co.request_id)
+            if seq.finish_reason is not None:
+                del self.child_to_parent[co.request_id]
+        outputs = [self._emit(s, now) for s in touched.values()]
+        return outputs, stopped_children
+
+    def abort(self, request_id: str, now: float, reason: str = "abort", error: str | None = None) -> RequestOutput | None:
+        """Finish every unfinished sequence of a request (client gone, deadline, engine error)."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return None
+        for seq in state.sequences:
+            if seq.finish_reason is None:
+                seq.finish_reason = reason
+        for cid in [c for c, (p, _) in self.child_to_parent.items() if p == request_id]:
+            del self.child_to_parent[cid]
+        state.error = error
+        return self._emit(state, now)
+
+    @staticmethod
+    def _update_metrics(m: RequestMetrics, co: EngineCoreOutput) -> None:
+        if co.first_scheduled_time is not None and (
+            m.first_scheduled_time is None or co.first_scheduled_time < m.first_scheduled_time
+        ):
+            m.first_scheduled_time = co.first_scheduled_time
+        if co.first_token_time is not None and (m.first_token_time is None or co.first_token_time < m.first_token_time):
+            m.first_token_time = co.first_token_time
+        if co.last_token_time is not None and (m.last_token_time is None or co.last_token_time > m.last_token_time):
+            m.last_token_time = co.last_token_time
+        m.num_cached_tokens = max(m.num_cached_tokens, co.num_cached_tokens)
+        m.num_preemptions = max(m.num_preemptions, co.num_preemptions)
+        m.num_generated_tokens += len(co.new_token_ids)
+
+    def _apply_tokens(self, state: _RequestState, seq: _Sequence, co: EngineCoreOutput) -> bool:
+        """Append new tokens and text; True if a stop string ended the sequence here."""
+        params = state.params
+        new = co.new_token_ids
+        seq.token_ids.extend(new)
+        seq.delta_ids.extend(new)
+        if co.new_logprobs is not None and seq.logprobs is not None:
+            seq.logprobs.extend(co.new_logprobs)
+            seq.delta_logprobs = (seq.delta_logprobs or []) + list(co.new_logprobs)
+        if seq.detok is not None:
+            feed = new
+            # The token that ended the request by EOS or stop_token_ids is not part of the text.
+            if co.finish_reason == "stop" and new and not params.include_stop_str_in_output:
+                feed = new[:-1]
+            upd = seq.detok.update(feed) if feed else None
+            if upd is not None:
+                seq.text += upd.text_delta
+                seq.delta_text += upd.text_delta
+                if upd.stop_string is not None:
+                    seq.finish_reason = "stop"
+                    seq.stop_reason = upd.stop_string
+                    return True
+            if co.finish_reason is not None:
+                tail = seq.detok.finalize()
+                seq.text += tail
+                seq.delta_text += tail
+                if seq.detok.stop_string is not None:  # the flushed tail completed a stop string
+                    seq.finish_reason = "stop"
+                    seq.stop_reason = seq.detok.stop_string
+                    return False
+        if co.finish_reason is not None:
+            seq.finish_reason = co.finish_reason
+            seq.stop_reason = co.stop_reason
+        return False
+
+    def _emit(self, state: _RequestState, now: float) -> RequestOutput:
+        outs = []
+        for seq in state.sequences:
+            outs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=seq.text,
+                    token_ids=seq.token_ids,  # live list (no O(n) copy per step); final once finished
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    logprobs=seq.logprobs,
+                    text_delta=seq.delta_text,
+                    token_ids_delta=seq.delta_ids,
+                    logprobs_delta=seq.delta_logprobs,
+                )
+            )
+            seq.delta_text, seq.delta_ids, seq.delta_logprobs = "", [], None
+        finished = state.finished
+        if finished:
+            state.metrics.finished_time = now
+            del self.requests[state.request_id]
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=outs,
+            finished=finished,
+            metrics=state.metrics,
+            error=state.error,
+        )

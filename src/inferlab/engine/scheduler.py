@@ -1,0 +1,318 @@
+"""Continuous batching: one token budget per step, chunked prefill, prefix cache, preemption, FCFS.
+
+Tokens, not phases. Each request has `num_tokens` (prompt + output so far) and
+`num_computed_tokens` (K/V already in its blocks). A step gives each chosen request a number
+of new tokens; prefill, a prefill chunk, a decode and recomputation after preemption are all
+the same rule:
+
+    all_token_ids:  | p0 p1 p2 p3 p4 p5 p6 p7 p8 | o0 o1 |
+                    |<- cached ->|<- computed -->|<- new (this step) ->|
+                    0        num_cached   num_computed        num_computed + num_new
+                                                              == num_tokens  → sample one token
+
+    start_pos = num_computed_tokens;  tokens computed = token_slice(start_pos, start_pos + num_new)
+    sample    = (start_pos + num_new == num_tokens)
+    limits:     Σ num_new ≤ max_num_batched_tokens;  num_computed + num_new ≤ max_model_len
+
+Invariants:
+- a request is in exactly one of `waiting` (deque, FCFS, WAITING/PREEMPTED) and `running`
+  (list, in admission order) until it finishes; then it is in neither and its blocks are freed;
+- a waiting request holds no blocks and has num_computed_tokens == 0;
+- `schedule()` advances num_computed_tokens at once: the runner computes what the output
+  says, and `update_from_output()` only appends sampled tokens.
+
+Pure Python, no torch, no wall clock except the injectable `clock` for timestamps, so the
+planner's simulator can drive it step by step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from inferlab.config import CacheConfig, SchedulerConfig
+from inferlab.engine.kv_cache_manager import KVCacheManager
+from inferlab.engine.outputs import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from inferlab.engine.request import Request, RequestStatus
+
+
+class Scheduler:
+    """FCFS continuous-batching scheduler over a paged KV cache of `num_blocks` blocks."""
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.clock = clock
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Requests that left since the last schedule(): the runner drops their state.
+        self.finished_request_ids: set[str] = set()
+        self.num_preemptions = 0  # cumulative
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request (FCFS). Token counts are the engine's to validate."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """An unfinished request by id, else None."""
+        return self.requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish requests from outside (abort, stop string, deadline), waiting or running.
+
+        Unknown or already finished ids are ignored. Returns the requests finished here.
+        """
+        if not status.finished:
+            raise ValueError(f"finish_requests needs a finished status, got {status}")
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        finished: list[Request] = []
+        for rid in ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            self._finish(request, status)
+            finished.append(request)
+        self._drop_finished(finished)
+        return finished
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Mark finished and free blocks; the caller removes it from the queues (in one pass)."""
+        request.status = status
+        request.finished_time = self.clock()
+        self.kv_cache_manager.free(request)
+        self.finished_request_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def _drop_finished(self, finished: list[Request]) -> None:
+        """Remove finished requests from both queues in one O(n) pass each (not O(n) per request)."""
+        if not finished:
+            return
+        gone = {r.request_id for r in finished}
+        if any(r.request_id in gone for r in self.running):
+            self.running = [r for r in self.running if r.request_id not in gone]
+        if any(r.request_id in gone for r in self.waiting):
+            self.waiting = deque(r for r in self.waiting if r.request_id not in gone)
+
+    # ------------------------------------------------------------------ one step
+
+    def _max_len(self, request: Request) -> int:
+        limit = self.config.max_model_len
+        if request.max_model_len is not None:
+            limit = min(limit, request.max_model_len)
+        return limit
+
+    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+        """Tokens to compute this step: what is left, capped by the chunk threshold, the budget
+        and the context window."""
+        n = request.num_tokens - num_computed
+        if self.config.long_prefill_token_threshold > 0:
+            n = min(n, self.config.long_prefill_token_threshold)
+        n = min(n, budget)
+        return min(n, self._max_len(request) - num_computed)
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute later: free its blocks and put it at the front of the waiting queue."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's (request, num_new_tokens) pairs under the token budget.
+
+        1. Running requests, in order. If blocks run out, preempt the last running request
+           (the newest: lowest priority under FCFS) and retry; if the victim is the request
+           being scheduled, stop there.
+        2. Only if nothing was preempted (memory is tight otherwise): admit waiting requests
+           in FCFS order, with prefix-cache hits, until the budget, max_num_seqs or the blocks
+           run out. The first request that does not fit stops admission (no skipping ahead).
+        """
+        budget = self.config.max_num_batched_tokens
+        kv = self.kv_cache_manager
+        now = self.clock()
+        chosen: list[tuple[Request, int]] = []
+        preempted: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            scheduled = True
+            while kv.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is request:
+                    scheduled = False
+                    break
+            if not scheduled:
+                break
+            chosen.append((request, num_new))
+            budget -= num_new
+            i += 1
+
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                request = self.waiting[0]
+                hits, num_hit_tokens = [], 0
+                if request.num_computed_tokens == 0:
+                    hits, num_hit_tokens = kv.get_computed_blocks(request)
+                num_computed = request.num_computed_tokens + num_hit_tokens
+                if not self.config.enable_chunked_prefill and request.num_tokens - num_computed > budget:
+                    break
+                num_new = self._num_new_tokens(request, num_computed, budget)
+                assert num_new > 0, f"request {request.request_id} has nothing to compute (prompt too long?)"
+                if kv.allocate_slots(request, num_new, hits) is None:
+                    break
+                self.waiting.popleft()
+                self.running.append(request)
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_computed
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = now
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit_tokens
+                chosen.append((request, num_new))
+                budget -= num_new
+
+        scheduled_reqs = [self._make_scheduled(request, num_new) for request, num_new in chosen]
+        output = SchedulerOutput(
+            scheduled=scheduled_reqs,
+            num_scheduled_tokens=sum(n for _, n in chosen),
+            finished_request_ids=self.finished_request_ids,
+            preempted_request_ids=preempted,
+        )
+        self.finished_request_ids = set()
+        # The runner computes exactly what the output says; count it as computed now.
+        for request, num_new in chosen:
+            request.num_computed_tokens += num_new
+        return output
+
+    def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.token_slice(start, start + num_new),
+            start_pos=start,
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            sample=start + num_new == request.num_tokens,
+            sampling_params=request.sampling_params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            eos_token_ids=request.eos_token_ids,
+        )
+
+    # ------------------------------------------------------------------ after the forward pass
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, check stop conditions, finish what is done.
+
+        Stop order: stop_token_ids (stop_reason = the token), then EOS unless ignore_eos
+        (stop_reason None), both only once min_tokens are out; then max_tokens or the context
+        window (finish "length"). Requests aborted since the step was scheduled are skipped.
+        """
+        now = self.clock()
+        outputs: list[EngineCoreOutput] = []
+        finished: list[Request] = []
+        logprobs = runner_output.logprobs
+        for idx, rid in enumerate(runner_output.request_ids):
+            request = self.requests.get(rid)
+            if request is None or request.is_finished or request.status is not RequestStatus.RUNNING:
+                continue
+            token = runner_output.sampled_token_ids[idx]
+            request.output_token_ids.append(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.last_token_time = now
+
+            status = self._check_stop(request, token)
+            if status is not None:
+                self._finish(request, status)
+                finished.append(request)
+            token_logprobs = logprobs[idx] if logprobs is not None else None
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=rid,
+                    new_token_ids=[token],
+                    new_logprobs=[token_logprobs] if token_logprobs is not None else None,
+                    finish_reason=request.status.finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    first_scheduled_time=request.first_scheduled_time,
+                    first_token_time=request.first_token_time,
+                    last_token_time=request.last_token_time,
+                    num_preemptions=request.num_preemptions,
+                )
+            )
+        self._drop_finished(finished)
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        """The finished status the new token causes, or None; sets request.stop_reason."""
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            # The sampler masks these below min_tokens as well; checked again here so that a
+            # runner that does not mask still cannot stop a request early.
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token in request.eos_token_ids:
+                request.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self._max_len(request):
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ------------------------------------------------------------------ stats
+
+    def get_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            num_blocks=kv.num_blocks,
+            block_size=kv.block_size,
+            prefix_cache_queries=kv.total_stats.queries,
+            prefix_cache_hits=kv.total_stats.hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; returns how many blocks were dropped from the cache."""
+        return self.kv_cache_manager.reset_prefix_cache()

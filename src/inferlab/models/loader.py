@@ -1,0 +1,87 @@
+"""`load_model`: pick the weight loader for a LoadConfig and hand back HF-named tensors.
+
+Formats sit behind one small table (`LOADERS`) so a new format is a new entry, not a new
+branch in the runner.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from inferlab.config import LoadConfig
+from inferlab.models.dummy_loader import load_dummy
+from inferlab.models.gguf_loader import load_gguf
+from inferlab.models.hf_loader import load_hf_dir
+from inferlab.models.loaded import LoadedModel
+from inferlab.models.registry import detect_format, resolve_model
+
+__all__ = ["LOADERS", "LoadedModel", "load_model", "resolve_dtype"]
+
+# format -> loader(path, dtype, name)
+LOADERS: dict[str, Callable[[Path, torch.dtype, str], LoadedModel]] = {
+    "gguf": load_gguf,
+    "hf": load_hf_dir,
+}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str, device: str | torch.device = "cpu") -> torch.dtype:
+    """LoadConfig.dtype -> torch dtype. "auto": bfloat16 (half the memory traffic of float32,
+    float32's range), or float16 on a GPU without bfloat16."""
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {dtype!r}")
+        return _DTYPES[dtype]
+    if torch.device(device).type == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return torch.bfloat16
+
+
+def _default_name(path: Path) -> str:
+    return path.stem if path.is_file() else path.name
+
+
+def load_model(
+    load_config: LoadConfig,
+    model_path: str | Path | None = None,
+    name: str = "",
+    cache_dir: str | Path | None = None,
+) -> LoadedModel:
+    """Load the weights `load_config` describes, on `load_config.device`.
+
+    `model_path` is an already-resolved location (a .gguf file or HF directory); without it,
+    `load_config.model` goes through the registry (default model, local path or hub id),
+    which also supplies the display name. Dummy weights take their shapes from
+    `load_config.hf_config_path`, else from `model_path` / `load_config.model` (a config.json
+    or a HF directory).
+    """
+    dtype = resolve_dtype(load_config.dtype, load_config.device)
+    if load_config.load_format == "dummy":
+        source = load_config.hf_config_path or model_path or load_config.model
+        if source is None:
+            raise ValueError("dummy weights need a config: pass a config.json path (hf_config_path) or a model directory")
+        source = Path(source).expanduser()
+        if not source.exists():
+            raise FileNotFoundError(f"model path {str(source)!r} does not exist")
+        return load_dummy(source, dtype, seed=load_config.seed, device=load_config.device, name=name)
+
+    if model_path is None:
+        resolved = resolve_model(load_config.model, cache_dir=cache_dir)
+        path, fmt, name = resolved.path, resolved.format, name or resolved.name
+    else:
+        path = Path(model_path).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+        fmt, name = detect_format(path), name or _default_name(path)
+    if load_config.load_format != "auto" and load_config.load_format != fmt:
+        raise ValueError(f"load_format is {load_config.load_format!r} but {path} is a {fmt!r} model")
+    loaded = LOADERS[fmt](path, dtype, name)
+    if torch.device(load_config.device).type != "cpu":
+        # One tensor at a time, so the CPU copy of each is freed as soon as it has moved.
+        for key in list(loaded.weights):
+            loaded.weights[key] = loaded.weights[key].to(load_config.device)
+    return loaded
