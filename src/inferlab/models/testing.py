@@ -117,7 +117,12 @@ def save_tiny_tokenizer(directory: str | Path) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "tokenizer.json").write_text(_tiny_tokenizer_json(), encoding="utf-8")
-    specials = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
+    specials = {
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": "<|endoftext|>",
+    }
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **specials,

@@ -1,0 +1,107 @@
+"""`inferlab plan`: memory, speed and cost on paper, every figure labelled with its kind.
+
+    inferlab plan --model llama-3.1-8b --hardware h100 --input-len 8192 --output-len 256
+    inferlab plan --compare-cited course-001          # the course's worked service, with ratios
+    inferlab plan --model M --hardware H --compare bench.json   # predicted vs measured
+
+No torch is imported unless --measure-cpu asks for a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from inferlab.plan.args import add_common_arguments, plan_inputs, resolve_hardware, resolve_model
+from inferlab.plan.cited import SCENARIOS, cited_scenario
+from inferlab.plan.compare import ComparisonRow, compare_figures, compare_plan_to_bench, load_bench_runs
+from inferlab.plan.planner import build_plan
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_common_arguments(p)
+    c = p.add_argument_group("comparisons")
+    c.add_argument("--compare", metavar="BENCH.json",
+                   help="an inferlab bench (or simulate) report: predicted against measured, a ratio per figure; "
+                        "lengths and concurrency default to the report's")
+    c.add_argument("--compare-cited", metavar="KEY", choices=sorted(SCENARIOS),
+                   help=f"the course's worked figures ({', '.join(sorted(SCENARIOS))}); fills in the scenario's "
+                        "model, hardware and workload unless given")
+
+
+def run(args: argparse.Namespace) -> int:
+    log = (lambda s: print(s, file=sys.stderr)) if args.json else print
+    scenario = cited_scenario(args.compare_cited) if args.compare_cited else None
+    if scenario is not None:
+        _fill_from_scenario(args, scenario)
+    model = resolve_model(args)
+    hardware = resolve_hardware(args, log=log)
+
+    out: dict[str, Any] = {}
+    comparisons: list[tuple[str, list[ComparisonRow], list[str]]] = []
+    bench_runs = load_bench_runs(args.compare) if args.compare else []
+    load_given = args.concurrency is not None or args.request_rate is not None
+    if bench_runs:
+        # Lengths (and, below, each run's concurrency) from the report unless given.
+        first = bench_runs[0]
+        if args.input_len is None:
+            args.input_len = first.input_len
+        if args.output_len is None:
+            args.output_len = first.output_len
+        if args.concurrency is None and args.request_rate is None:
+            args.concurrency = first.max_concurrency
+            if first.max_concurrency is None:
+                args.request_rate = first.request_rate
+    base = plan_inputs(args, model, hardware)
+    plan = build_plan(base)
+    out["plan"] = plan.to_dict()
+
+    if scenario is not None:
+        rows: list[ComparisonRow] = []
+        plans = {None: plan}
+        for fig, conc in scenario.figures:
+            if conc not in plans:
+                plans[conc] = build_plan(plan_inputs(args, model, hardware, concurrency=conc))
+            rows.extend(compare_figures(plans[conc], [fig]))
+        comparisons.append((f"{scenario.key}: {scenario.description}", rows, list(scenario.notes)))
+
+    for i, brun in enumerate(bench_runs):
+        bplan = plan
+        if i > 0 and not load_given and (brun.max_concurrency, brun.request_rate) != (bench_runs[0].max_concurrency,
+                                                                   bench_runs[0].request_rate):
+            conc = brun.max_concurrency
+            bplan = build_plan(plan_inputs(args, model, hardware, concurrency=conc,
+                                           request_rate=None if conc is not None else brun.request_rate))
+        rows = compare_plan_to_bench(bplan, brun)
+        notes = [] if rows else ["the report has none of the compared metrics"]
+        comparisons.append((f"predicted vs {brun.kind}: {brun.label}", rows, notes))
+
+    if args.json:
+        out["comparisons"] = [{"title": t, "rows": [r.to_dict() for r in rows], "notes": n}
+                              for t, rows, n in comparisons]
+        print(json.dumps(out, indent=1, default=str))
+        return 0
+    from inferlab.plan.render import print_comparison, print_plan
+
+    print_plan(plan)
+    for title, rows, notes in comparisons:
+        print_comparison(rows, title, notes=notes)
+    return 0
+
+
+def _fill_from_scenario(args: argparse.Namespace, s) -> None:
+    """The scenario's inputs, where the user gave none."""
+    if not args.model:
+        args.model = s.model
+    if not (args.hardware or args.hardware_file or args.measure_cpu):
+        args.hardware = s.hardware
+    if args.input_len is None:
+        args.input_len = s.input_len
+    if args.output_len is None:
+        args.output_len = s.output_len
+    if args.weight_dtype is None and s.weight_precision is not None:
+        args.weight_dtype = s.weight_precision
+    if args.usd_per_hour is None and s.usd_per_hour is not None:
+        args.usd_per_hour = s.usd_per_hour

@@ -1,0 +1,230 @@
+"""Step cost models for the simulator: how long one engine step takes, given its shape.
+
+Three kinds, one interface (`step_time(StepShape) -> seconds`):
+- `ConstantCost`: every step the same time (tests, and hand-computable examples);
+- `RooflineCost`: the planner's roofline (computed from configurations and spec sheets);
+- `LinearCost`: t = c0 + c_p·prefill tokens + c_d·decode tokens + c_k·context tokens read,
+  fitted by least squares to steps measured on our engine (`fit_linear`, `--calibrate`).
+
+A linear model rather than the roofline's max(): on a CPU, and on a GPU at small batches,
+the terms add (kernels run one after another), and four coefficients are few enough to fit
+from a short profile. `shape_of(SchedulerOutput)` turns a real engine step into the shape,
+so a profile can be recorded by any driver of the real scheduler and model runner.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from inferlab.engine.outputs import SchedulerOutput
+from inferlab.plan.roofline import Roofline, StepShape
+
+PROFILE_SCHEMA = "inferlab.step-profile/1"
+COST_MODEL_SCHEMA = "inferlab.cost-model/1"
+
+
+class StepCostModel(Protocol):
+    kind: str  # where its numbers come from: 'computed' (roofline, constant) or 'measured' (a fit)
+
+    def step_time(self, shape: StepShape) -> float: ...
+
+    def describe(self) -> list[str]: ...
+
+
+def shape_of(scheduler_output: SchedulerOutput) -> StepShape:
+    """A real step's shape. A decode is one token after the prompt; anything else (a prompt
+    chunk, or recomputing outputs after preemption) counts as prefill."""
+    chunks = []
+    for s in scheduler_output.scheduled:
+        n = len(s.token_ids)
+        chunks.append((s.start_pos, n, n == 1 and s.start_pos >= len(s.prompt_token_ids)))
+    return StepShape.from_chunks(chunks)
+
+
+@dataclass(frozen=True)
+class ConstantCost:
+    seconds: float
+    kind: str = "computed"
+
+    def __post_init__(self) -> None:
+        if self.seconds <= 0:
+            raise ValueError(f"a constant step time must be > 0, got {self.seconds}")
+
+    def step_time(self, shape: StepShape) -> float:
+        return self.seconds if shape.num_tokens else 0.0
+
+    def describe(self) -> list[str]:
+        return [f"every step takes {self.seconds * 1000:g} ms, whatever it computes"]
+
+
+class RooflineCost:
+    """The planner's roofline as a step cost."""
+
+    kind = "computed"
+
+    def __init__(self, roofline: Roofline) -> None:
+        self.roofline = roofline
+
+    def step_time(self, shape: StepShape) -> float:
+        return self.roofline.step_time(shape)
+
+    def describe(self) -> list[str]:
+        r = self.roofline
+        notes = [
+            f"roofline of {r.model.name} on {r.hardware.name} ({r.hardware.kind}): "
+            "max((weights + K/V read) / bandwidth, FLOPs / compute) per step",
+            f"bandwidth × {r.memory_efficiency:g}, compute × {r.compute_efficiency:g} of peak",
+        ]
+        if r.step_overhead_s:
+            notes.append(f"+ {r.step_overhead_s * 1000:g} ms fixed per step")
+        return notes
+
+
+@dataclass(frozen=True)
+class LinearCost:
+    """t = intercept + per_prefill_token·P + per_decode_token·D + per_context_token·C (seconds)."""
+
+    intercept_s: float
+    per_prefill_token_s: float
+    per_decode_token_s: float
+    per_context_token_s: float
+    source: str = ""
+    fit: dict[str, Any] = field(default_factory=dict)  # n, r2, rms_s, notes
+    kind: str = "measured"
+
+    def step_time(self, shape: StepShape) -> float:
+        if not shape.num_tokens:
+            return 0.0
+        t = (self.intercept_s + self.per_prefill_token_s * shape.num_prefill_tokens
+             + self.per_decode_token_s * shape.num_decode_tokens + self.per_context_token_s * shape.context_tokens)
+        return max(t, 1e-9)  # a fit may extrapolate below zero for tiny steps; time still moves
+
+    def describe(self) -> list[str]:
+        notes = [
+            f"linear step cost fitted to measured steps{' (' + self.source + ')' if self.source else ''}: "
+            f"{self.intercept_s * 1e3:.4g} ms + {self.per_prefill_token_s * 1e6:.4g} µs/prefill token + "
+            f"{self.per_decode_token_s * 1e6:.4g} µs/decode token + "
+            f"{self.per_context_token_s * 1e9:.4g} ns/context token",
+        ]
+        if self.fit:
+            notes.append(f"fit over {self.fit.get('n')} steps: R² {self.fit.get('r2', float('nan')):.3f}, "
+                         f"RMS error {self.fit.get('rms_s', float('nan')) * 1e3:.3g} ms")
+            notes.extend(self.fit.get("notes", []))
+        return notes
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("kind")
+        return {"schema": COST_MODEL_SCHEMA, "kind": "linear", **d}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], origin: str = "cost model") -> LinearCost:
+        try:
+            return cls(
+                intercept_s=float(d["intercept_s"]),
+                per_prefill_token_s=float(d["per_prefill_token_s"]),
+                per_decode_token_s=float(d["per_decode_token_s"]),
+                per_context_token_s=float(d["per_context_token_s"]),
+                source=str(d.get("source") or origin),
+                fit=dict(d.get("fit") or {}),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{origin}: not a linear cost model (missing or bad {e})") from None
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One measured step: its shape and how long it took."""
+
+    shape: StepShape
+    step_time_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self.shape), "step_time_s": self.step_time_s}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StepSample:
+        try:
+            shape = StepShape(
+                num_prefill_tokens=int(d["num_prefill_tokens"]),
+                num_decode_tokens=int(d["num_decode_tokens"]),
+                num_seqs=int(d.get("num_seqs", 0)),
+                context_tokens=float(d["context_tokens"]),
+                attention_pairs=float(d.get("attention_pairs", 0)),
+            )
+            t = float(d["step_time_s"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"a profile sample needs num_prefill_tokens, num_decode_tokens, context_tokens and "
+                             f"step_time_s (bad or missing {e})") from None
+        if t <= 0:
+            raise ValueError(f"a profile sample's step_time_s must be > 0, got {t}")
+        return cls(shape, t)
+
+
+_COLUMNS = ("intercept", "prefill tokens", "decode tokens", "context tokens")
+
+
+def fit_linear(samples: list[StepSample], source: str = "") -> LinearCost:
+    """Least-squares fit of the four coefficients.
+
+    A column that is zero in every sample (e.g. no prefill was measured) cannot be fitted; its
+    coefficient is set to 0 and a note says so, rather than letting lstsq's minimum-norm
+    answer pass for a measurement.
+    """
+    if len(samples) < 2:
+        raise ValueError(f"calibration needs at least 2 measured steps, got {len(samples)}")
+    x = np.array([[1.0, s.shape.num_prefill_tokens, s.shape.num_decode_tokens, s.shape.context_tokens]
+                  for s in samples], dtype=float)
+    y = np.array([s.step_time_s for s in samples], dtype=float)
+    active = [j for j in range(4) if j == 0 or np.any(x[:, j] != 0)]
+    notes = [f"{_COLUMNS[j]}: no sample had any, coefficient set to 0" for j in range(4) if j not in active]
+    if len(samples) < len(active):
+        raise ValueError(f"calibration needs at least {len(active)} measured steps for {len(active)} coefficients, "
+                         f"got {len(samples)}")
+    coef_active, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+    coef = np.zeros(4)
+    coef[active] = coef_active
+    pred = x @ coef
+    ss_res = float(np.sum((y - pred) ** 2))
+    ss_tot = float(np.sum((y - y.mean()) ** 2))
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
+    fit = {"n": len(samples), "r2": r2, "rms_s": float(np.sqrt(ss_res / len(samples))), "notes": notes}
+    return LinearCost(float(coef[0]), float(coef[1]), float(coef[2]), float(coef[3]), source=source, fit=fit)
+
+
+def load_profile(path: str | Path) -> list[StepSample]:
+    """A profile JSON: {"schema": ..., "samples": [...]} or a bare list of samples."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}: not JSON ({e.msg} at line {e.lineno})") from None
+    items = data.get("samples") if isinstance(data, dict) else data
+    if not isinstance(items, list):
+        raise ValueError(f"{p}: a step profile is a list of samples or an object with a 'samples' list")
+    return [StepSample.from_dict(d) for d in items]
+
+
+def write_profile(samples: list[StepSample], path: str | Path) -> None:
+    Path(path).write_text(json.dumps({"schema": PROFILE_SCHEMA, "samples": [s.to_dict() for s in samples]},
+                                     indent=1) + "\n")
+
+
+def load_cost_model(path: str | Path) -> LinearCost:
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}: not JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(data, dict) or data.get("kind", "linear") != "linear":
+        raise ValueError(f"{p}: expected a linear cost model written by `inferlab simulate --save-cost-model`")
+    return LinearCost.from_dict(data, origin=str(p))
+
+
+def save_cost_model(model: LinearCost, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(model.to_dict(), indent=2) + "\n")

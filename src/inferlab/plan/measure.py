@@ -1,0 +1,92 @@
+"""`--measure-cpu`: time this machine's memory bandwidth and matrix-product rates.
+
+Decode reads every weight once per step, so the number that matters is read bandwidth: we
+time a sum over an array much larger than the caches. Prefill is matrix products, so we
+time a bf16 and a float32 product of a 128-row activation by a square weight (the shape of
+a small batched step). torch is imported here only, lazily, so that `inferlab plan` without
+`--measure-cpu` never pays for it; without torch the bandwidth falls back to numpy and the
+matmul rate to numpy float32.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+from inferlab.plan.hardware import HardwareSpec
+
+
+def _best_time(fn: Callable[[], object], repeats: int) -> float:
+    """Best of `repeats` after one warm-up: the machine's capability, not its noise."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def total_memory_bytes() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 0.0
+
+
+def measure_cpu(threads: int | None = None, array_mib: int = 512, repeats: int = 5,
+                matmul_rows: int = 128, matmul_dim: int = 2048) -> HardwareSpec:
+    """Measure bandwidth (bytes/s) and dense FLOP/s here; returns a 'measured' HardwareSpec."""
+    if array_mib < 1 or repeats < 1 or matmul_rows < 1 or matmul_dim < 1:
+        raise ValueError("measurement sizes and repeats must be >= 1")
+    notes: list[str] = []
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency of the package
+        torch = None
+    if torch is not None and threads:
+        torch.set_num_threads(threads)
+    used_threads = torch.get_num_threads() if torch is not None else 1
+
+    n = array_mib * (1 << 20) // 4
+    if torch is not None:
+        x = torch.ones(n, dtype=torch.float32)
+        t = _best_time(lambda: x.sum(), repeats)
+        notes.append(f"bandwidth: torch.sum over a {array_mib} MiB float32 tensor, {used_threads} threads, "
+                     f"best of {repeats}")
+    else:
+        import numpy as np
+
+        x = np.ones(n, dtype=np.float32)
+        t = _best_time(lambda: x.sum(), repeats)
+        notes.append(f"bandwidth: numpy sum over a {array_mib} MiB float32 array, best of {repeats}")
+    bandwidth = n * 4 / t
+    del x
+
+    flops: dict[str, float] = {}
+    m, k = matmul_rows, matmul_dim
+    work = 2.0 * m * k * k
+    if torch is not None:
+        for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+            a = torch.randn(m, k, dtype=dtype)
+            b = torch.randn(k, k, dtype=dtype)
+            flops[name] = work / _best_time(lambda a=a, b=b: a @ b, repeats)
+        notes.append(f"matmul: ({m}×{k}) @ ({k}×{k}) with torch, {used_threads} threads, best of {repeats}")
+    else:
+        import numpy as np
+
+        a = np.random.rand(m, k).astype(np.float32)
+        b = np.random.rand(k, k).astype(np.float32)
+        flops["fp32"] = work / _best_time(lambda: a @ b, repeats)
+        notes.append(f"matmul: ({m}×{k}) @ ({k}×{k}) float32 with numpy, best of {repeats}")
+
+    return HardwareSpec(
+        name=f"this CPU ({os.cpu_count()} cores, {used_threads} threads)",
+        memory_bytes=total_memory_bytes(),
+        memory_bandwidth=bandwidth,
+        flops=flops,
+        kind="measured",
+        source=f"measured by inferlab plan --measure-cpu on {time.strftime('%Y-%m-%d %H:%M:%S')}",
+        notes=notes,
+    )

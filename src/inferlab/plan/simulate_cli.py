@@ -1,0 +1,165 @@
+"""`inferlab simulate`: the real scheduler on a virtual clock, with a step cost model, writing
+the same report as `inferlab bench` so prediction and measurement compare line by line.
+
+    inferlab simulate --model llama-3.1-8b --hardware h100 --input-len 8192 --output-len 256 \\
+        --max-concurrency 50 --num-prompts 200 --max-num-seqs 64 --result-file sim.json
+    inferlab simulate ... --calibrate profile.json     # cost fitted to our engine's measured steps
+    inferlab simulate ... --constant-step-ms 10        # a trivial cost model (hand-checkable)
+
+The KV cache gets as many blocks as the plan's memory budget allows (or --num-blocks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+
+from inferlab.bench.metrics import (
+    DEFAULT_PERCENTILES,
+    LATENCY_METRICS,
+    parse_metric_names,
+    parse_percentiles,
+    parse_slo,
+)
+from inferlab.bench.report import print_terminal, write_json
+from inferlab.config import CacheConfig, SchedulerConfig
+from inferlab.plan.args import DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN, add_common_arguments, plan_inputs
+from inferlab.plan.args import resolve_hardware, resolve_model
+from inferlab.plan.cost_model import (
+    ConstantCost,
+    RooflineCost,
+    StepCostModel,
+    fit_linear,
+    load_cost_model,
+    load_profile,
+    save_cost_model,
+)
+from inferlab.plan.sim_report import simulation_report
+from inferlab.plan.simulator import SimWorkload, simulate
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_common_arguments(p)
+    d = SchedulerConfig()
+    s = p.add_argument_group("scheduler (the engine's own flags)")
+    s.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help=f"default {d.max_num_seqs}")
+    s.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help=f"default {d.max_num_batched_tokens}")
+    s.add_argument("--max-model-len", type=int, default=None, help="default: input + output length")
+    s.add_argument("--no-chunked-prefill", action="store_true")
+    s.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    s.add_argument("--no-prefix-caching", action="store_true")
+    s.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks (default: what the plan's memory budget leaves for KV)")
+
+    ld = p.add_argument_group("load (as inferlab bench)")
+    ld.add_argument("--num-prompts", type=int, default=100, help="requests to simulate (default 100)")
+    ld.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1 = Poisson)")
+    ld.add_argument("--seed", type=int, default=0)
+    ld.add_argument("--shared-prefix-len", type=int, default=0, help="prompt tokens every request shares")
+    ld.add_argument("--eos-probability", type=float, default=0.0,
+                    help="chance each sampled token is EOS (default 0: replies run to --output-len)")
+
+    c = p.add_argument_group("step cost model (default: the plan's roofline)")
+    c.add_argument("--calibrate", metavar="PROFILE.json", help="fit a linear cost to measured engine steps")
+    c.add_argument("--cost-model", metavar="FILE.json", help="a linear cost model saved by --save-cost-model")
+    c.add_argument("--save-cost-model", metavar="FILE.json", help="write the fitted cost model here")
+    c.add_argument("--constant-step-ms", type=float, default=None, help="every step takes this long")
+
+    r = p.add_argument_group("report")
+    r.add_argument("--result-file", help="write the inferlab.bench/1 JSON report here")
+    r.add_argument("--label", default=None)
+    r.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50")
+    r.add_argument("--metric-percentiles", default=",".join(f"{p:g}" for p in DEFAULT_PERCENTILES))
+    r.add_argument("--percentile-metrics", default=",".join(LATENCY_METRICS))
+
+
+def _cost_model(args: argparse.Namespace, roofline, log) -> StepCostModel:
+    chosen = [x for x in (args.calibrate, args.cost_model, args.constant_step_ms) if x is not None]
+    if len(chosen) > 1:
+        raise ValueError("give at most one of --calibrate, --cost-model, --constant-step-ms")
+    if args.save_cost_model and not args.calibrate:
+        raise ValueError("--save-cost-model saves what --calibrate fits; give --calibrate too")
+    if args.constant_step_ms is not None:
+        return ConstantCost(args.constant_step_ms / 1000.0)
+    if args.cost_model:
+        return load_cost_model(args.cost_model)
+    if args.calibrate:
+        model = fit_linear(load_profile(args.calibrate), source=args.calibrate)
+        for line in model.describe():
+            log(line)
+        if args.save_cost_model:
+            save_cost_model(model, args.save_cost_model)
+            log(f"cost model saved to {args.save_cost_model}")
+        return model
+    if roofline is None:
+        raise ValueError("the roofline cost model needs --hardware (or give --constant-step-ms, --calibrate "
+                         "or --cost-model)")
+    return RooflineCost(roofline)
+
+
+def run(args: argparse.Namespace) -> int:
+    log = (lambda s: print(s, file=sys.stderr)) if args.json else print
+    model = resolve_model(args)
+    input_len = args.input_len if args.input_len is not None else DEFAULT_INPUT_LEN
+    output_len = args.output_len if args.output_len is not None else DEFAULT_OUTPUT_LEN
+    have_hw = bool(args.hardware or args.hardware_file or args.measure_cpu)
+    hardware = resolve_hardware(args, log=log) if have_hw else None
+    roofline = None
+    num_blocks = args.num_blocks
+    inputs = None
+    if hardware is not None:
+        inputs = plan_inputs(args, model, hardware, concurrency=args.concurrency, request_rate=math.inf)
+        roofline = inputs.roofline()
+        if num_blocks is None:
+            free = max(hardware.memory_bytes * (1 - inputs.reserve_fraction) - inputs.reserve_bytes
+                       - roofline.weight_bytes, 0.0)
+            num_blocks = int(free // (args.block_size * roofline.kv_bytes_per_token))
+    if num_blocks is None:
+        raise ValueError("without --hardware, give --num-blocks (the KV cache size in blocks)")
+    if num_blocks < 1:
+        raise ValueError("the weights leave no memory for the KV cache on this hardware")
+    cost = _cost_model(args, roofline, log)
+
+    max_model_len = args.max_model_len or input_len + output_len
+    sched_cfg = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=not args.no_chunked_prefill,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+    )
+    cache_cfg = CacheConfig(block_size=args.block_size, num_blocks_override=num_blocks,
+                            enable_prefix_caching=not args.no_prefix_caching)
+    rate = args.request_rate if args.request_rate is not None else math.inf
+    workload = SimWorkload(
+        num_prompts=args.num_prompts, input_len=input_len, output_len=output_len, request_rate=rate,
+        burstiness=args.burstiness, max_concurrency=args.concurrency, shared_prefix_len=args.shared_prefix_len,
+        vocab_size=model.vocab_size, eos_probability=args.eos_probability, seed=args.seed,
+    )
+    result = simulate(workload, sched_cfg, cache_cfg, num_blocks, cost)
+    doc = simulation_report(
+        result, workload, sched_cfg, cache_cfg, cost,
+        model_name=model.name,
+        hardware_name=hardware.name if hardware is not None else None,
+        label=args.label,
+        percentiles=parse_percentiles(args.metric_percentiles),
+        metrics=parse_metric_names(args.percentile_metrics),
+        slo=parse_slo(args.goodput),
+        usd_per_hour=args.usd_per_hour,
+        plan_inputs=None if inputs is None else {k: v for k, v in dataclasses.asdict(inputs).items()
+                                                  if k not in ("model", "hardware")},
+    )
+    if args.result_file:
+        write_json(doc, args.result_file)
+        log(f"report written to {args.result_file}")
+    if args.json:
+        print(json.dumps(doc, indent=1, default=str))
+    else:
+        print_terminal(doc)
+        for line in doc["simulation"]["assumptions"]:
+            print(f"• simulated: {line}")
+    return 0
