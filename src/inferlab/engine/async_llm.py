@@ -380,7 +380,10 @@ class AsyncLLM:
                 self.observer.on_ready(self.engine)
             self._refresh_stats()
         except BaseException as e:  # noqa: BLE001 - reported through /health and the CLI
-            logger.exception("the engine failed to load")
+            if isinstance(e, (ValueError, OSError)):  # a user error (bad path, bad config): no traceback
+                logger.error("the engine failed to load: %s", e)
+            else:
+                logger.exception("the engine failed to load")
             self.load_error = e
             with self._cond:
                 self._cond.notify_all()

@@ -16,7 +16,7 @@ class LLM:
     """Load a model once, then generate for many prompts in continuous batches.
 
     model: None (the default SmolLM2-135M-Instruct), a GGUF file, a Hugging Face directory,
-    or a hub id. dtype "auto" is bfloat16 on the CPU; "float32" for bit-careful comparisons.
+    or a hub id. dtype "auto" is bfloat16 where the CPU computes in it natively, else float32.
     """
 
     def __init__(

@@ -1,0 +1,140 @@
+"""The FastAPI app: routes, error shapes, auth, lifespan.
+
+    build_app(engine_factory, settings) ─► FastAPI
+      lifespan start: AsyncLLM.start() (the model loads on the engine thread; /health says 503)
+      lifespan end:   AsyncLLM.shutdown(settings.shutdown_timeout) (uvicorn has drained connections)
+
+Every error leaves as `{"error": {"message", "type", "param", "code"}}`, FastAPI's 422s included
+(they become 400s: clients and benchmark tools treat 4xx alike, and OpenAI answers 400).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from inferlab.engine.async_llm import AsyncLLM, EngineLike
+from inferlab.server.auth import ApiKeyGuard
+from inferlab.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from inferlab.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from inferlab.server.serving import OpenAIServing, parse_body, validation_error
+
+logger = logging.getLogger("inferlab.server")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The server's own knobs (the engine's live in `EngineConfig`)."""
+
+    served_model_names: tuple[str, ...] = ()  # empty: the engine's model name
+    api_key: str | None = None
+    metrics_public: bool = False  # /metrics without the API key
+    log_prompts: bool = False
+    max_queue_len: int | None = None  # requests admitted but not yet running; None = unbounded
+    request_timeout: float | None = None  # seconds from arrival; None = no deadline
+    shutdown_timeout: float = 30.0  # seconds to let in-flight requests finish
+    stall_timeout: float = 300.0  # one engine call longer than this: /health says 503
+
+
+def _error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def build_app(engine_factory: Callable[[], EngineLike], settings: ServerSettings | None = None) -> FastAPI:
+    """An app serving the engine that `engine_factory` builds (called on the engine thread)."""
+    settings = settings or ServerSettings()
+    metrics = ServerMetrics(model_name=settings.served_model_names[0] if settings.served_model_names else None)
+    llm = AsyncLLM(
+        engine_factory,
+        max_queue_len=settings.max_queue_len,
+        request_timeout=settings.request_timeout,
+        stall_timeout=settings.stall_timeout,
+        observer=metrics,
+    )
+    serving = OpenAIServing(
+        llm,
+        served_model_names=settings.served_model_names,
+        log_prompts=settings.log_prompts,
+        request_timeout=settings.request_timeout,
+    )
+    guard = ApiKeyGuard(settings.api_key)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        llm.start()
+        yield
+        await asyncio.to_thread(llm.shutdown, settings.shutdown_timeout)
+
+    app = FastAPI(title="inferlab", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.llm = llm
+    app.state.metrics = metrics
+    app.state.settings = settings
+    app.state.serving = serving
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error_response(ApiError(exc.status_code, str(exc.detail), kind, headers=exc.headers))
+
+    guarded = [Depends(guard)]
+
+    @app.get("/health")
+    async def health() -> Response:
+        if llm.load_error is not None:
+            return _error_response(ApiError(503, f"the model failed to load: {llm.load_error}", "unavailable_error"))
+        if llm.dead_error is not None:
+            return _error_response(ApiError(503, f"the engine loop stopped: {llm.dead_error}", "unavailable_error"))
+        if not llm.ready:
+            return _error_response(ApiError(503, "Loading model", "unavailable_error", headers={"Retry-After": "5"}))
+        if not llm.is_healthy():
+            return _error_response(ApiError(503, "the engine loop has stalled", "unavailable_error"))
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics", dependencies=[] if settings.metrics_public else guarded)
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models() -> JSONResponse:
+        return JSONResponse(serving.models())
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat_completions(raw: Request) -> Response:
+        arrival = time.monotonic()
+        req = await parse_body(raw, ChatCompletionRequest)
+        return await serving.chat(req, raw, arrival)
+
+    @app.post("/v1/completions", dependencies=guarded)
+    async def completions(raw: Request) -> Response:
+        arrival = time.monotonic()
+        req = await parse_body(raw, CompletionRequest)
+        return await serving.completion(req, raw, arrival)
+
+    @app.post("/tokenize", dependencies=guarded)
+    async def tokenize(raw: Request) -> JSONResponse:
+        req = await parse_body(raw, TokenizeRequest)
+        return JSONResponse(serving.tokenize(req))
+
+    @app.post("/detokenize", dependencies=guarded)
+    async def detokenize(raw: Request) -> JSONResponse:
+        req = await parse_body(raw, DetokenizeRequest)
+        return JSONResponse(serving.detokenize(req))
+
+    return app

@@ -1,0 +1,156 @@
+"""`inferlab serve`: an OpenAI-compatible HTTP server on the engine.
+
+    inferlab serve                      # the default model on http://127.0.0.1:8000
+    inferlab serve --model m.gguf --served-model-name mymodel --port 8080 --api-key secret
+
+The server listens at once and /health answers 503 while the model loads. SIGTERM (or Ctrl-C)
+stops accepting connections, lets in-flight requests finish for up to --shutdown-timeout
+seconds, and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4,
+}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """'2GiB' → 2147483648, '500MB' → 500000000, '1e9' → 1000000000 (bytes)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 2GiB, 512MiB, 1.5GB)")
+    value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"the size must be > 0, got {text!r}")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", default=None, help="GGUF file, HF directory or hub id (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", "--alias", dest="served_model_name", nargs="+", default=None,
+                   help="the model name(s) clients use and replies report (default: the model's own name)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context window in tokens (default 2048)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="running requests at most (default 64)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per engine step (default 2048)")
+    p.add_argument("--kv-cache-memory", type=parse_size, default=None, help="bytes for the KV cache, e.g. 2GiB")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--no-prefix-caching", action="store_true", help="turn off reuse of cached prompt prefixes")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--load-format", default="auto", choices=["auto", "gguf", "hf", "dummy"])
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on inference routes (or set INFERLAB_API_KEY)")
+    p.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
+    p.add_argument("--max-queue-len", type=int, default=None,
+                   help="requests allowed to wait for a slot; beyond it: 503 + Retry-After (default: unbounded)")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may take from arrival before it is aborted (default: none)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--log-prompts", action="store_true", help="include prompt text in the request log lines")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])  # fmt: skip
+
+
+def _engine_config(args: argparse.Namespace):
+    from inferlab.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig
+
+    sched: dict = {}
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, name) is not None:
+            sched[name] = getattr(args, name)
+    return EngineConfig(
+        load=LoadConfig(model=args.model, load_format=args.load_format, dtype=args.dtype),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory,
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(**sched),
+        num_threads=args.num_threads,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from inferlab.server.app import ServerSettings, build_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = _engine_config(args)  # invalid values raise ValueError before anything starts
+    if args.max_queue_len is not None and args.max_queue_len < 1:
+        raise ValueError(f"--max-queue-len must be >= 1, got {args.max_queue_len}")
+    if args.request_timeout is not None and args.request_timeout <= 0:
+        raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    served = tuple(args.served_model_name or ())
+    settings = ServerSettings(
+        served_model_names=served,
+        api_key=args.api_key or os.environ.get("INFERLAB_API_KEY") or None,
+        metrics_public=args.metrics_public,
+        log_prompts=args.log_prompts,
+        max_queue_len=args.max_queue_len,
+        request_timeout=args.request_timeout,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+
+    def make_engine():
+        from inferlab.engine.llm_engine import LLMEngine
+
+        return LLMEngine(config)
+
+    app = build_app(make_engine, settings)
+    return run_server(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+
+
+def run_server(app, host: str, port: int, *, shutdown_timeout: float = 30.0, log_level: str = "info") -> int:
+    """Serve `app` (from `build_app`) until SIGTERM/SIGINT; 0 after a clean drain.
+
+    A model that fails to load stops the server: its error is raised (user errors: exit 2)
+    or reported with status 1.
+    """
+    import uvicorn
+
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            access_log=False,  # the server logs one line per request itself
+            timeout_graceful_shutdown=shutdown_timeout,
+            lifespan="on",
+        )
+    )
+    llm = app.state.llm
+
+    def stop_when_load_fails() -> None:
+        llm.wait_ready()
+        if llm.load_error is not None:
+            server.should_exit = True
+
+    threading.Thread(target=stop_when_load_fails, name="inferlab-load-watch", daemon=True).start()
+    # uvicorn re-raises a caught SIGTERM after its graceful shutdown, into the handler that was
+    # installed before it started: a no-op one here, so that a drained server exits 0.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if llm.load_error is not None:
+        err = llm.load_error
+        if isinstance(err, (ValueError, FileNotFoundError, NotADirectoryError, PermissionError)):
+            raise err
+        print(f"inferlab serve: the model failed to load: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    return 0

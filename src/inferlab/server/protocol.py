@@ -1,0 +1,214 @@
+"""The OpenAI-compatible request bodies (pydantic) and their translation to `SamplingParams`.
+
+Unknown fields are ignored, not rejected: benchmark clients send extras (vLLM's and llama.cpp's
+own fields, `user`, ...). Absent sampling fields get neutral values (temperature 1, top_p 1,
+top_k off, min_p 0, penalties off). Range checks live in `SamplingParams`; its `ValueError`
+names the field, which becomes the error's `param`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+from inferlab.engine.request import SamplingParams
+
+
+class ApiError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code", ...extra}}`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        *,
+        headers: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.headers = headers
+        self.extra = extra or {}
+
+    def body(self) -> dict[str, Any]:
+        err: dict[str, Any] = {"message": self.message, "type": self.type, "param": self.param, "code": self.status}
+        err.update(self.extra)
+        return {"error": err}
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk
+
+
+class _GenerationRequest(_Lenient):
+    """Fields shared by /v1/chat/completions and /v1/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=128)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    cache_salt: str | None = None
+    cache_prompt: bool = True  # llama.cpp's: False = reuse no cached prefix for this request
+    timeout: float | None = Field(default=None, gt=0)  # per-request deadline in seconds (the server caps it)
+
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def _logprobs(self) -> int | None:
+        return None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage and self.stream_options.continuous_usage_stats)
+
+    def to_sampling_params(self) -> SamplingParams:
+        """Neutral defaults for absent fields; a bad value raises ApiError(400) naming the field."""
+
+        def pick(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=pick(self.temperature, 1.0),
+                top_p=pick(self.top_p, 1.0),
+                top_k=pick(self.top_k, 0),
+                min_p=pick(self.min_p, 0.0),
+                seed=self.seed,
+                presence_penalty=pick(self.presence_penalty, 0.0),
+                frequency_penalty=pick(self.frequency_penalty, 0.0),
+                repetition_penalty=pick(self.repetition_penalty, 1.0),
+                max_tokens=self._max_tokens(),
+                min_tokens=self.min_tokens,
+                stop=pick(self.stop, []),
+                stop_token_ids=pick(self.stop_token_ids, []),
+                ignore_eos=self.ignore_eos,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                logprobs=self._logprobs(),
+                skip_special_tokens=self.skip_special_tokens,
+            )
+        except ValueError as e:
+            raise bad_request(str(e), param=str(e).split(" ", 1)[0]) from e
+
+
+class TextPart(_Lenient):
+    type: str = "text"
+    text: str | None = None
+
+
+class ChatMessage(_Lenient):
+    role: StrictStr
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def plain(self) -> dict[str, str]:
+        """The message as the chat template wants it: role and one text string."""
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise bad_request(
+                        f"only text content is supported, got a content part of type {part.type!r}", param="messages"
+                    )
+                texts.append(part.text)
+            content = "".join(texts)
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: bool = True
+
+    def _max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def _logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+            return None
+        return self.top_logprobs or 0
+
+
+# A prompt: text, texts, token ids, or lists of token ids (StrictInt: "1" is text, not a token).
+PromptInput = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: PromptInput
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    add_special_tokens: bool = True
+
+    def _logprobs(self) -> int | None:
+        return self.logprobs
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one per engine request (a list of ints is one tokenized prompt)."""
+        p = self.prompt
+        if isinstance(p, str):
+            out: list[str | list[int]] = [p]
+        elif not p:
+            raise bad_request("prompt must not be empty", param="prompt")
+        elif isinstance(p[0], int):
+            out = [list(p)]  # type: ignore[arg-type]
+        else:
+            out = list(p)  # type: ignore[arg-type]
+        for item in out:
+            if isinstance(item, list) and not item:
+                raise bad_request("a token-id prompt must not be empty", param="prompt")
+        return out
+
+
+class TokenizeRequest(_Lenient):
+    model: str | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Lenient):
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param)
+

@@ -1,0 +1,340 @@
+"""The OpenAI routes' logic: request body → prompts → engine requests → response.
+
+Prompts are tokenized here, on the event loop, before the engine sees them: the engine thread
+then spends its time on forward passes, and the arrival time stamped before tokenizing makes
+TTFT include tokenization (as clients measure it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from inferlab.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestStream
+from inferlab.engine.errors import EngineDeadError
+from inferlab.engine.request import RequestOutput, SamplingParams
+from inferlab.server.admission import effective_timeout, to_api_error
+from inferlab.server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    bad_request,
+)
+from inferlab.server.render import TokenText
+from inferlab.server.streaming import ResponseContext, merge_streams, response_dict, sse_stream
+
+logger = logging.getLogger("inferlab.server")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def parse_body(raw: Request, model: type[BaseModel]) -> Any:
+    """The JSON body validated against `model`; malformed JSON or wrong types → ApiError(400)."""
+    body = await raw.body()
+    try:
+        data = json.loads(body) if body else None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+def validation_error(e: ValidationError | Any) -> ApiError:
+    """The first problem pydantic found, as one readable message naming the field."""
+    errors = e.errors()
+    if not errors:
+        return bad_request("invalid request")
+    first = errors[0]
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid value")
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return bad_request(f"{param}: {msg}{more}" if param else f"{msg}{more}", param=param)
+
+
+async def _client_gone(raw: Request) -> None:
+    """Returns when the client disconnects (the body has been read: only a disconnect can come)."""
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class OpenAIServing:
+    """Chat, completions, models, tokenize and detokenize over one `AsyncLLM`."""
+
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        *,
+        served_model_names: tuple[str, ...] = (),
+        log_prompts: bool = False,
+        request_timeout: float | None = None,
+    ):
+        self.llm = llm
+        self.served_model_names = served_model_names
+        self.log_prompts = log_prompts
+        self.request_timeout = request_timeout
+        self.created = int(time.time())
+        self._token_text: TokenText | None = None
+
+    # ------------------------------------------------------------------ basics
+    @property
+    def engine(self) -> Any:
+        """The loaded engine (its tokenizer is read-only, safe to use off the engine thread)."""
+        llm = self.llm
+        if llm.load_error is not None or llm.dead_error is not None:
+            raise to_api_error(EngineDeadError(f"the engine is not available: {llm.load_error or llm.dead_error}"))
+        if not llm.ready or llm.engine is None:
+            raise to_api_error(EngineNotReadyError("the model is still loading; retry later"))
+        return llm.engine
+
+    def model_names(self) -> list[str]:
+        if self.served_model_names:
+            return list(self.served_model_names)
+        return [self.engine.model_name]
+
+    def check_model(self, name: str | None) -> str:
+        """The name to report; an unknown model name → 404."""
+        names = self.model_names()
+        if name is None or name == "":
+            return names[0]
+        if name not in names:
+            raise ApiError(
+                404, f"the model {name!r} does not exist; this server serves {names}", "not_found_error", "model"
+            )
+        return name
+
+    def token_text(self) -> TokenText:
+        if self._token_text is None:
+            self._token_text = TokenText(self.engine.tokenizer)
+        return self._token_text
+
+    def models(self) -> dict[str, Any]:
+        engine = self.engine
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "inferlab",
+                    "root": engine.model_name,
+                    "parent": None,
+                    "max_model_len": engine.max_model_len,
+                }
+                for name in self.model_names()
+            ],
+        }
+
+    # ------------------------------------------------------------------ tokenizer routes
+    def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        engine = self.engine
+        self.check_model(req.model)
+        tok = engine.tokenizer
+        if req.messages is not None:
+            ids = self._chat_prompt(tok, req.messages, req.add_generation_prompt)
+        elif req.prompt is not None:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            raise bad_request("send a 'prompt' (text) or 'messages' (chat) to tokenize", param="prompt")
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": list(ids)}
+        if req.return_token_strs:
+            out["token_strs"] = list(tok.convert_ids_to_tokens(ids))
+        return out
+
+    def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        engine = self.engine
+        self.check_model(req.model)
+        try:
+            text = engine.tokenizer.decode(req.tokens, skip_special_tokens=False)
+        except Exception as e:  # noqa: BLE001 - out-of-range ids and the like
+            raise bad_request(f"cannot decode these tokens: {e}", param="tokens") from None
+        return {"prompt": text}
+
+    @staticmethod
+    def _chat_prompt(tokenizer: Any, messages: list, add_generation_prompt: bool = True) -> list[int]:
+        plain = [m.plain() for m in messages]
+        try:
+            return list(tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt))
+        except ValueError as e:
+            raise bad_request(str(e), param="messages") from None
+
+    # ------------------------------------------------------------------ generation routes
+    async def chat(self, req: ChatCompletionRequest, raw: Request, arrival: float) -> Response:
+        engine = self.engine
+        model = self.check_model(req.model)
+        prompt_ids = self._chat_prompt(engine.tokenizer, req.messages, req.add_generation_prompt)
+        params = req.to_sampling_params()
+        ctx = ResponseContext(
+            kind="chat",
+            response_id=f"chatcmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=model,
+            n=params.n,
+            include_usage=req.include_usage,
+            continuous_usage=req.continuous_usage,
+            want_logprobs=params.logprobs is not None,
+            token_text=self.token_text() if params.logprobs is not None else None,
+        )
+        log_text = req.messages[-1].plain()["content"] if self.log_prompts else None
+        return await self._serve(ctx, [prompt_ids], params, req, raw, arrival, "messages", log_text)
+
+    async def completion(self, req: CompletionRequest, raw: Request, arrival: float) -> Response:
+        engine = self.engine
+        model = self.check_model(req.model)
+        prompts: list[list[int]] = []
+        for p in req.prompts():
+            if isinstance(p, str):
+                prompts.append(list(engine.tokenizer.encode(p, add_special_tokens=req.add_special_tokens)))
+            else:
+                prompts.append(p)
+        params = req.to_sampling_params()
+        ctx = ResponseContext(
+            kind="completion",
+            response_id=f"cmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=model,
+            n=params.n,
+            include_usage=req.include_usage,
+            continuous_usage=req.continuous_usage,
+            want_logprobs=params.logprobs is not None,
+            token_text=self.token_text() if params.logprobs is not None else None,
+        )
+        log_text = None
+        if self.log_prompts:
+            log_text = req.prompt if isinstance(req.prompt, str) else str(req.prompt)[:2000]
+        return await self._serve(ctx, prompts, params, req, raw, arrival, "prompt", log_text)
+
+    async def _serve(
+        self,
+        ctx: ResponseContext,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        req: ChatCompletionRequest | CompletionRequest,
+        raw: Request,
+        arrival: float,
+        prompt_param: str,
+        log_text: str | None,
+    ) -> Response:
+        ctx.on_done = lambda status, finals: self._log(ctx, status, finals, arrival, log_text)
+        timeout = effective_timeout(self.request_timeout, req.timeout)
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = ctx.response_id if len(prompts) == 1 else f"{ctx.response_id}-{i}"
+                stream = await self.llm.add_request(
+                    rid,
+                    prompt,
+                    dataclasses.replace(params) if i else params,
+                    arrival_time=arrival,
+                    cache_salt=req.cache_salt,
+                    use_prefix_cache=req.cache_prompt,
+                    timeout=timeout,
+                )
+                streams.append(stream)
+        except BaseException as e:
+            for s in streams:
+                s.abort()
+            if isinstance(e, Exception):
+                err = to_api_error(e, prompt_param)
+                self._log(ctx, f"rejected {err.status}: {err.message}", [], arrival, log_text)
+                raise err from None
+            raise
+        if req.stream:
+            return StreamingResponse(sse_stream(ctx, streams), media_type="text/event-stream", headers=SSE_HEADERS)
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        status = "disconnected"
+        try:
+            finals, logprobs = await self._collect(ctx, streams, raw)
+            body = response_dict(ctx, finals, logprobs)
+            status = "ok"
+            return JSONResponse(body)
+        except _ClientGone:
+            return Response(status_code=499)
+        except Exception as e:
+            err = to_api_error(e, prompt_param)
+            status = f"error {err.status}: {err.message}"
+            raise err from None
+        finally:
+            for s in streams:
+                s.abort()
+            self._log(ctx, status, finals, arrival, log_text)
+
+    async def _collect(
+        self, ctx: ResponseContext, streams: list[RequestStream], raw: Request
+    ) -> tuple[list[RequestOutput], list[list[list[Any]]]]:
+        """Run the requests to the end; abort them if the client goes away first."""
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        logprobs: list[list[list[Any]]] = [[[] for _ in range(ctx.n)] for _ in streams]
+
+        async def drain() -> None:
+            async for p, out in merge_streams(streams):
+                finals[p] = out
+                if ctx.want_logprobs:
+                    for c in out.outputs:
+                        if c.logprobs_delta:
+                            logprobs[p][c.index].extend(c.logprobs_delta)
+
+        work = asyncio.ensure_future(drain())
+        gone = asyncio.ensure_future(_client_gone(raw))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not work.done():
+                work.cancel()
+            gone.cancel()
+        if not work.done() or work.cancelled():
+            raise _ClientGone()
+        work.result()
+        return finals, logprobs  # type: ignore[return-value]
+
+    def _log(
+        self,
+        ctx: ResponseContext,
+        status: str,
+        finals: list[RequestOutput | None],
+        arrival: float,
+        log_text: str | None,
+    ) -> None:
+        """One line per request; the prompt text only with --log-prompts."""
+        done = [o for o in finals if o is not None]
+        n_in = sum(len(o.prompt_token_ids) for o in done)
+        n_out = sum(len(c.token_ids) for o in done for c in o.outputs)
+        cached = sum(o.metrics.num_cached_tokens for o in done)
+        ttfts = [o.metrics.ttft_ms for o in done if o.metrics.first_token_time is not None]
+        ttft = f"{min(ttfts):.1f}" if ttfts else "-"
+        total_ms = (time.monotonic() - arrival) * 1000.0
+        prompt = f" prompt={log_text!r}" if log_text is not None else ""
+        logger.info(
+            "%s %s status=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d ttft_ms=%s total_ms=%.1f%s",
+            ctx.response_id,
+            ctx.kind,
+            status,
+            n_in,
+            cached,
+            n_out,
+            ttft,
+            total_ms,
+            prompt,
+        )
+
+
+class _ClientGone(Exception):
+    """The client disconnected before the (non-streamed) answer was ready."""

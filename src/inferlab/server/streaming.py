@@ -1,0 +1,183 @@
+"""Server-Sent Events for streamed chat and completions.
+
+    data: {chunk}\\n\\n ... data: {chunk}\\n\\n [data: {usage chunk, choices: []}\\n\\n] data: [DONE]\\n\\n
+
+One chunk per choice that has something new (text, logprobs or a finish reason); steps that
+produced only held-back text (a possible stop string, half a UTF-8 character) send nothing.
+An error after the 200 has gone out becomes `data: {"error": {...}}`, then `[DONE]`.
+A client that disconnects cancels the generator: its `finally` aborts the engine requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from inferlab.engine.async_llm import EngineStepError, RequestStream
+from inferlab.engine.request import RequestOutput
+from inferlab.server.admission import to_api_error
+from inferlab.server.render import SSE_DONE, TokenText, chat_logprobs, completion_logprobs, sse, timings, usage
+
+
+@dataclass
+class ResponseContext:
+    """How to answer one HTTP request (shared by the streamed and the plain response)."""
+
+    kind: str  # "chat" | "completion"
+    response_id: str
+    created: int
+    model: str
+    n: int
+    include_usage: bool = False
+    continuous_usage: bool = False
+    want_logprobs: bool = False
+    token_text: TokenText | None = None
+    # Called once at the end with (status, the last output of each prompt): the request's log line.
+    on_done: Callable[[str, list[RequestOutput | None]], None] | None = None
+
+    @property
+    def chat(self) -> bool:
+        return self.kind == "chat"
+
+
+_END = object()
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several request streams, as they come."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except Exception as e:  # noqa: BLE001 - re-raised by the reader
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, _END))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _check_finish(reason: str | None) -> None:
+    if reason in ("abort", "error"):
+        raise EngineStepError(f"the engine ended the request ({reason})")
+
+
+async def sse_stream(ctx: ResponseContext, streams: list[RequestStream]) -> AsyncIterator[bytes]:
+    """The SSE body of a streamed chat or completion request."""
+    head = {
+        "id": ctx.response_id,
+        "object": "chat.completion.chunk" if ctx.chat else "text_completion",
+        "created": ctx.created,
+        "model": ctx.model,
+    }
+    latest: list[RequestOutput | None] = [None] * len(streams)
+    text_offsets: dict[int, int] = {}
+    status = "disconnected"
+    try:
+        if ctx.chat:
+            for i in range(ctx.n):
+                chunk = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+                if ctx.include_usage:
+                    chunk["usage"] = None
+                yield sse(chunk)
+        async for p, out in merge_streams(streams):
+            latest[p] = out
+            base = p * ctx.n
+            for c in out.outputs:
+                reason = c.finish_reason
+                _check_finish(reason)
+                if not c.text_delta and reason is None and not c.logprobs_delta:
+                    continue
+                index = base + c.index
+                lp = None
+                if ctx.want_logprobs and c.logprobs_delta:
+                    if ctx.chat:
+                        lp = chat_logprobs(c.logprobs_delta, ctx.token_text)
+                    else:
+                        lp = completion_logprobs(c.logprobs_delta, ctx.token_text, text_offsets.get(index, 0))
+                        text_offsets[index] = text_offsets.get(index, 0) + len(c.text_delta)
+                if ctx.chat:
+                    choice = {"index": index, "delta": {"content": c.text_delta} if c.text_delta else {}}
+                else:
+                    choice = {"index": index, "text": c.text_delta}
+                choice["logprobs"] = lp
+                choice["finish_reason"] = reason
+                if reason is not None:
+                    choice["stop_reason"] = c.stop_reason
+                chunk = {**head, "choices": [choice]}
+                if ctx.include_usage:
+                    chunk["usage"] = usage([o for o in latest if o is not None]) if ctx.continuous_usage else None
+                if out.finished and reason is not None and len(streams) == 1:
+                    chunk["timings"] = timings([out])
+                yield sse(chunk)
+        finals = [o for o in latest if o is not None]
+        if ctx.include_usage:
+            chunk = {**head, "choices": [], "usage": usage(finals)}
+            t = timings(finals)
+            if t is not None:
+                chunk["timings"] = t
+            yield sse(chunk)
+        status = "ok"
+    except Exception as e:  # noqa: BLE001 - the 200 is out: report in-band
+        err = to_api_error(e)
+        status = f"error {err.status}: {err.message}"
+        yield sse(err.body())
+    finally:
+        for s in streams:
+            s.abort()  # a no-op for finished ones; frees the KV blocks of the rest
+        if ctx.on_done is not None:
+            ctx.on_done(status, latest)
+    yield SSE_DONE
+
+
+def response_dict(ctx: ResponseContext, finals: list[RequestOutput], logprobs: list[list[list[Any]]]) -> dict[str, Any]:
+    """The non-streamed response body; `logprobs[p][i]` holds sequence i of prompt p's entries."""
+    choices = []
+    for p, out in enumerate(finals):
+        for c in out.outputs:
+            _check_finish(c.finish_reason)
+            index = p * ctx.n + c.index
+            lp = None
+            if ctx.want_logprobs:
+                items = logprobs[p][c.index] if logprobs[p][c.index] else (c.logprobs or [])
+                lp = chat_logprobs(items, ctx.token_text) if ctx.chat else completion_logprobs(items, ctx.token_text)
+            if ctx.chat:
+                choice = {"index": index, "message": {"role": "assistant", "content": c.text}}
+            else:
+                choice = {"index": index, "text": c.text}
+            choice.update({"logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            choices.append(choice)
+    choices.sort(key=lambda ch: ch["index"])
+    body = {
+        "id": ctx.response_id,
+        "object": "chat.completion" if ctx.chat else "text_completion",
+        "created": ctx.created,
+        "model": ctx.model,
+        "choices": choices,
+        "usage": usage(finals),
+    }
+    t = timings(finals)
+    if t is not None:
+        body["timings"] = t
+    return body

@@ -1,0 +1,230 @@
+"""AsyncLLM on the fake engine: streams, abort, deadlines, queue limit, engine failures, threads."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from fake_engine import FakeEngine
+from server_harness import wait_until
+
+from inferlab.engine.async_llm import (
+    AsyncLLM,
+    EngineNotReadyError,
+    EngineStepError,
+    QueueFullError,
+    RequestTimeoutError,
+    merge_outputs,
+)
+from inferlab.engine.errors import ContextLengthError
+from inferlab.engine.request import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+
+
+def make_llm(**kw) -> tuple[AsyncLLM, dict]:
+    engine_kw = {k: kw.pop(k) for k in list(kw) if k in ("step_delay", "max_num_seqs", "num_blocks", "max_model_len")}
+    holder: dict = {}
+
+    def factory():
+        holder["engine"] = FakeEngine(**engine_kw)
+        return holder["engine"]
+
+    llm = AsyncLLM(factory, **kw)
+    llm.start()
+    assert llm.wait_ready(30)
+    return llm, holder
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_generate_streams_deltas_that_add_up():
+    llm, holder = make_llm()
+    try:
+
+        async def go():
+            outs = [o async for o in llm.generate("hello", SamplingParams(max_tokens=12, seed=3), "r1")]
+            return outs
+
+        outs = run(go())
+        final = outs[-1]
+        assert final.finished and final.outputs[0].finish_reason == "length"
+        assert len(final.outputs[0].token_ids) == 12
+        assert "".join(o.outputs[0].text_delta for o in outs) == final.outputs[0].text
+        assert sum(len(o.outputs[0].token_ids_delta) for o in outs) == 12
+        assert holder["engine"].thread_ids == {llm._thread.ident}  # only the engine thread touched it
+    finally:
+        llm.shutdown(5)
+
+
+def test_add_request_errors_come_back_before_streaming():
+    llm, _ = make_llm(max_model_len=64)
+    try:
+
+        async def go():
+            with pytest.raises(ContextLengthError) as e:
+                await llm.add_request("r1", "x" * 60, SamplingParams(max_tokens=10))
+            assert e.value.n_ctx == 64 and e.value.n_prompt_tokens == 60
+            with pytest.raises(ValueError, match="empty"):
+                await llm.add_request("r2", [], SamplingParams())
+            # the engine keeps serving after rejecting
+            outs = [o async for o in llm.generate("ok", SamplingParams(max_tokens=2), "r3")]
+            assert outs[-1].finished
+
+        run(go())
+        assert llm.num_in_flight == 0
+    finally:
+        llm.shutdown(5)
+
+
+def test_abort_frees_the_request_within_a_step():
+    llm, holder = make_llm(step_delay=0.01)
+    try:
+
+        async def go():
+            stream = await llm.add_request("long", "hi", SamplingParams(max_tokens=200))
+            first = await stream.__anext__()
+            assert not first.finished
+            steps_at_abort = holder["engine"].num_steps
+            stream.abort()
+            return steps_at_abort
+
+        steps_at_abort = run(go())
+        eng = holder["engine"]
+        wait_until(lambda: llm.num_in_flight == 0 and not eng.has_unfinished_requests(), what="abort applied")
+        assert eng.get_stats().kv_cache_usage == 0.0
+        # the step in progress when abort() was called, at most one more: never the 200 it asked for
+        assert eng.num_steps - steps_at_abort <= 2
+    finally:
+        llm.shutdown(5)
+
+
+def test_deadline_aborts_and_raises():
+    llm, _ = make_llm(step_delay=0.01, request_timeout=0.2)
+    try:
+
+        async def go():
+            with pytest.raises(RequestTimeoutError):
+                async for _ in llm.generate("hi", SamplingParams(max_tokens=200), "slow"):
+                    pass
+
+        run(go())
+        wait_until(lambda: llm.get_stats().num_running == 0, what="timed-out request freed")
+    finally:
+        llm.shutdown(5)
+
+
+def test_queue_limit_rejects_then_recovers():
+    llm, _ = make_llm(step_delay=0.01, max_num_seqs=1, max_queue_len=1)
+    try:
+
+        async def go():
+            a = await llm.add_request("a", "hi", SamplingParams(max_tokens=200))
+            await a.__anext__()  # running now
+            b = await llm.add_request("b", "hi", SamplingParams(max_tokens=2))  # waits
+            with pytest.raises(QueueFullError):
+                await llm.add_request("c", "hi", SamplingParams(max_tokens=2))
+            a.abort()
+            outs = [o async for o in b]
+            assert outs[-1].finished
+            outs = [o async for o in llm.generate("hi", SamplingParams(max_tokens=2), "d")]
+            assert outs[-1].finished
+
+        run(go())
+    finally:
+        llm.shutdown(5)
+
+
+def test_engine_step_failure_fails_in_flight_and_keeps_serving():
+    llm, holder = make_llm(step_delay=0.005)
+    try:
+
+        async def go():
+            holder["engine"].fail_next_steps = 1
+            with pytest.raises(EngineStepError, match="injected"):
+                async for _ in llm.generate("hi", SamplingParams(max_tokens=5), "boom"):
+                    pass
+            outs = [o async for o in llm.generate("hi", SamplingParams(max_tokens=5), "after")]
+            assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+
+        run(go())
+        assert llm.is_healthy()
+    finally:
+        llm.shutdown(5)
+
+
+def test_idle_loop_does_not_spin():
+    llm, holder = make_llm()
+    try:
+        run(_one(llm))
+        steps = holder["engine"].num_steps
+        time.sleep(0.2)
+        assert holder["engine"].num_steps == steps  # no steps (and no busy loop) while idle
+    finally:
+        llm.shutdown(5)
+
+
+async def _one(llm):
+    return [o async for o in llm.generate("x", SamplingParams(max_tokens=1), "one")]
+
+
+def test_not_ready_while_loading_and_load_errors_are_kept():
+    import threading
+
+    gate = threading.Event()
+    llm = AsyncLLM(lambda: FakeEngine(load_gate=gate))
+    llm.start()
+    try:
+        assert not llm.ready and not llm.is_healthy()
+
+        async def go():
+            with pytest.raises(EngineNotReadyError):
+                await llm.add_request("r", "x", SamplingParams())
+
+        run(go())
+        gate.set()
+        assert llm.wait_ready(10) and llm.is_healthy()
+    finally:
+        llm.shutdown(5)
+
+    def broken():
+        raise FileNotFoundError("no such model: nowhere.gguf")
+
+    bad = AsyncLLM(broken)
+    bad.start()
+    assert not bad.wait_ready(10)
+    assert isinstance(bad.load_error, FileNotFoundError)
+
+
+def test_shutdown_drains_in_flight_requests():
+    llm, _ = make_llm(step_delay=0.01)
+
+    async def go():
+        stream = await llm.add_request("r", "hi", SamplingParams(max_tokens=20))
+        loop = asyncio.get_running_loop()
+        closing = loop.run_in_executor(None, llm.shutdown, 10.0)
+        outs = [o async for o in stream]
+        await closing
+        return outs
+
+    outs = run(go())
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 20
+
+
+def _out(index_texts: list[tuple[int, str, str | None]], finished: bool = False) -> RequestOutput:
+    outs = [
+        CompletionOutput(index=i, text=t, token_ids=[1] * len(t), text_delta=t[-1:], token_ids_delta=[1], finish_reason=f)
+        for i, t, f in index_texts
+    ]
+    return RequestOutput("r", None, [1], outs, finished, RequestMetrics(arrival_time=0.0))
+
+
+def test_merge_outputs_concatenates_deltas_and_keeps_the_latest_state():
+    a = _out([(0, "ab", None), (1, "x", None)])
+    b = _out([(0, "abc", "stop")])  # the engine left sequence 1 out: nothing new for it
+    m = merge_outputs(a, b)
+    assert [c.index for c in m.outputs] == [0, 1]
+    assert m.outputs[0].text == "abc" and m.outputs[0].text_delta == "bc" and m.outputs[0].token_ids_delta == [1, 1]
+    assert m.outputs[0].finish_reason == "stop"
+    assert m.outputs[1].text_delta == "x"

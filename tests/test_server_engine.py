@@ -1,0 +1,143 @@
+"""The server on the real engine: a tiny random model in Hugging Face format (fast), and the
+default SmolLM2-135M-Instruct GGUF (slow: marked)."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from server_harness import ServerThread, metric, scrape, sse_events, wait_until
+
+from inferlab.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig
+from inferlab.engine.llm_engine import LLMEngine
+from inferlab.models.testing import make_tiny_hf_model
+from inferlab.server.app import ServerSettings, build_app
+
+MSG = [{"role": "user", "content": "Hello, world! How are you today?"}]
+
+
+def tiny_config(path, **sched) -> EngineConfig:
+    return EngineConfig(
+        load=LoadConfig(model=str(path), dtype="float32"),
+        cache=CacheConfig(block_size=16, num_blocks_override=64),
+        scheduler=SchedulerConfig(max_model_len=sched.pop("max_model_len", 512), **sched),
+        num_threads=1,
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("srv-tiny"), arch="llama")
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_path):
+    config = tiny_config(tiny_path)
+    with ServerThread(build_app(lambda: LLMEngine(config), ServerSettings(served_model_names=("tiny",)))) as s:
+        s.wait_ready()
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai.OpenAI(base_url=srv.url("/v1"), api_key="unused", max_retries=0)
+
+
+def test_chat_matches_the_offline_engine(srv, client, tiny_path):
+    from inferlab import LLM, SamplingParams
+
+    r = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
+    offline = LLM(str(tiny_path), dtype="float32", num_kv_blocks=64, max_model_len=512)
+    out = offline.chat(MSG, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert r.choices[0].message.content == out.outputs[0].text
+    assert r.usage.prompt_tokens == len(out.prompt_token_ids)
+    t = r.model_extra["timings"]
+    assert t["predicted_n"] == 8 and t["prompt_n"] + t["cache_n"] == r.usage.prompt_tokens
+
+
+def test_stream_equals_non_stream(client):
+    kw = dict(model="tiny", messages=MSG, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_seeded_sampling_is_reproducible_and_n_works(client):
+    kw = dict(model="tiny", prompt="The quick brown fox", max_tokens=10, temperature=1.0, seed=7, n=2,
+              extra_body={"ignore_eos": True})  # fmt: skip
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices] and len(a.choices) == 2
+    assert a.usage.completion_tokens == 20
+
+
+def test_stop_string(client):
+    kw = dict(model="tiny", prompt="Hello, world!", max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw).choices[0].text
+    stop = full[5:8]
+    r = client.completions.create(**kw, stop=[stop])
+    assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
+
+
+def test_context_overflow_and_tokenize(srv):
+    r = httpx.post(srv.url("/v1/completions"), json={"prompt": "Hello", "max_tokens": 600})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["n_ctx"] == 512 and err["n_prompt_tokens"] >= 1 and "600" in err["message"]
+    tok = httpx.post(srv.url("/tokenize"), json={"messages": MSG, "return_token_strs": True}).json()
+    assert tok["max_model_len"] == 512 and tok["count"] == len(tok["tokens"]) == len(tok["token_strs"])
+    back = httpx.post(srv.url("/detokenize"), json={"tokens": tok["tokens"]}).json()["prompt"]
+    assert "Hello, world!" in back and "<|im_start|>" in back
+
+
+def test_prefix_cache_reuse_and_cache_prompt_false(srv):
+    body = {"messages": [{"role": "user", "content": "The scheduler batches requests; " * 4}], "max_tokens": 1}
+    httpx.post(srv.url("/v1/chat/completions"), json=body)
+    r = httpx.post(srv.url("/v1/chat/completions"), json=body).json()
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 and r["timings"]["cache_n"] >= 16
+    r = httpx.post(srv.url("/v1/chat/completions"), json={**body, "cache_prompt": False}).json()
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    s = scrape(srv.base_url)
+    assert metric(s, "vllm:prefix_cache_hits_total") >= 16
+    assert metric(s, "vllm:cache_config_info", block_size="16", num_gpu_blocks="64") == 1
+
+
+def test_disconnect_frees_blocks_on_the_real_engine(srv):
+    def gauges():
+        s = scrape(srv.base_url)
+        return metric(s, "vllm:num_requests_running"), metric(s, "vllm:kv_cache_usage_perc")
+
+    wait_until(lambda: gauges() == (0, 0), what="an idle engine")
+    before = metric(scrape(srv.base_url), "vllm:request_success_total", finished_reason="abort")
+    body = {"prompt": "Once upon a time", "max_tokens": 480, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", srv.url("/v1/completions"), json=body) as r:
+        events = sse_events(r)
+        next(events)
+        next(events)
+    wait_until(lambda: gauges() == (0, 0), what="the aborted request's blocks to be freed")
+    s = scrape(srv.base_url)
+    assert metric(s, "vllm:request_success_total", finished_reason="abort") == before + 1
+
+
+@pytest.mark.slow
+def test_the_course_request_on_the_default_model():
+    """The course's request.json, sent to `inferlab serve`'s default model."""
+    config = EngineConfig(load=LoadConfig(model=None), scheduler=SchedulerConfig(max_model_len=2048))
+    with ServerThread(build_app(lambda: LLMEngine(config))) as srv:
+        srv.wait_ready(300)
+        body = {
+            "messages": [{"role": "user", "content": "In one sentence, why might a parcel arrive a day late?"}],
+            "max_tokens": 60,
+            "cache_prompt": False,
+        }
+        r = httpx.post(srv.url("/v1/chat/completions"), json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        data = r.json()
+        assert data["choices"][0]["message"]["content"].strip()
+        assert data["usage"]["prompt_tokens"] > 13 and data["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        t = data["timings"]
+        assert t["cache_n"] == 0 and t["prompt_n"] == data["usage"]["prompt_tokens"]
+        assert t["predicted_n"] == data["usage"]["completion_tokens"] and t["predicted_per_second"] > 0
+        assert httpx.get(srv.url("/v1/models")).json()["data"][0]["id"] == "SmolLM2-135M-Instruct"
