@@ -58,24 +58,28 @@ def test_greedy_chat_matches_transformers(llm, reference):
                 break  # after a tie the continuations legitimately diverge
 
 
-def test_bf16_agrees_with_float32(llm):
+def test_bf16_agrees_with_float32(llm, capsys):
     """bfloat16 (the default where the CPU has native bf16) agrees with float32 for the first
-    16 tokens, or differs where float32's top two tokens were close."""
+    16 tokens, or first differs where float32's top two tokens were within 0.25 nats (a
+    near-tie at bf16's ~3 significant digits). Prints how often and where they part."""
     fast = LLM(None, dtype="bfloat16", max_model_len=512)
     tok = llm.get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
-    diverged = 0
+    report = []
     for text in PROMPTS:
         prompt = tok.apply_chat_template([{"role": "user", "content": text}])
         ref = llm.generate(prompt, params)[0].outputs[0]
         got = fast.generate(prompt, params)[0].outputs[0]
-        if got.token_ids != ref.token_ids:
-            i = next(j for j, (a, b) in enumerate(zip(got.token_ids, ref.token_ids)) if a != b)
-            chosen, top = ref.logprobs[i]
-            gap = top[0].logprob - top[1].logprob
-            assert gap < 0.25, f"{text!r}: bf16 differs at token {i} where float32's margin is {gap:.3f} nats"
-            diverged += 1
-    assert diverged <= len(PROMPTS) // 2
+        if got.token_ids == ref.token_ids:
+            report.append(f"{text[:30]!r}: same 16 tokens")
+            continue
+        i = next(j for j, (a, b) in enumerate(zip(got.token_ids, ref.token_ids)) if a != b)
+        chosen, top = ref.logprobs[i]
+        gap = top[0].logprob - top[1].logprob
+        report.append(f"{text[:30]!r}: parts at token {i}, float32 margin {gap:.3f} nats")
+        assert gap < 0.25, f"{text!r}: bf16 differs at token {i} where float32's margin is {gap:.3f} nats"
+    with capsys.disabled():
+        print("\nbf16 vs float32:", "; ".join(report))
 
 
 def test_chat_reply_is_sensible(llm):

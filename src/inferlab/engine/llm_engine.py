@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -16,7 +17,7 @@ from inferlab.config import EngineConfig
 from inferlab.engine.errors import ContextLengthError
 from inferlab.engine.model_runner import ModelRunner
 from inferlab.engine.output_processor import OutputProcessor
-from inferlab.engine.outputs import SchedulerStats
+from inferlab.engine.outputs import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from inferlab.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from inferlab.engine.scheduler import Scheduler
 from inferlab.models.loader import load_model
@@ -61,6 +62,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self._make_detokenizer)
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._ids = itertools.count()
+        # Called after every forward pass with (SchedulerOutput, ModelRunnerOutput): profiling
+        # and the planner's calibration record step shapes and times through it.
+        self.step_observer: Callable[[SchedulerOutput, ModelRunnerOutput], None] | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -163,6 +167,8 @@ class LLMEngine:
         if so.is_empty:
             return outputs
         ro = self.runner.execute(so)
+        if self.step_observer is not None:
+            self.step_observer(so, ro)
         core = self.scheduler.update_from_output(so, ro)
         now = time.monotonic()
         step_outputs, stopped = self.output_processor.process(core, now)

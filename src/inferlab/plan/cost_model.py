@@ -139,13 +139,21 @@ class LinearCost:
 
 @dataclass(frozen=True)
 class StepSample:
-    """One measured step: its shape and how long it took."""
+    """One measured step: its shape and how long it took.
+
+    step_time_s is what the simulator's clock advances by (for `--calibrate-engine`, the whole
+    engine step); forward_time_s, when known, the model runner's share of it.
+    """
 
     shape: StepShape
     step_time_s: float
+    forward_time_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self.shape), "step_time_s": self.step_time_s}
+        d = {**asdict(self.shape), "step_time_s": self.step_time_s}
+        if self.forward_time_s is not None:
+            d["forward_time_s"] = self.forward_time_s
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StepSample:
@@ -158,12 +166,13 @@ class StepSample:
                 attention_pairs=float(d.get("attention_pairs", 0)),
             )
             t = float(d["step_time_s"])
+            fwd = None if d.get("forward_time_s") is None else float(d["forward_time_s"])
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"a profile sample needs num_prefill_tokens, num_decode_tokens, context_tokens and "
                              f"step_time_s (bad or missing {e})") from None
         if t <= 0:
             raise ValueError(f"a profile sample's step_time_s must be > 0, got {t}")
-        return cls(shape, t)
+        return cls(shape, t, fwd)
 
 
 _COLUMNS = ("intercept", "prefill tokens", "decode tokens", "context tokens")
