@@ -397,7 +397,7 @@ def test_load_model_dispatch(tiny_dirs: dict[str, Path], tmp_path: Path) -> None
     gguf_path = make_tiny_gguf(tmp_path / "tiny.gguf", hf_dir=tiny_dirs["qwen2"], qtype="Q8_0")
     m = load_model(LoadConfig(model=str(gguf_path)))
     assert (m.format, m.config.architecture, m.config.name) == ("gguf", "qwen2", str(gguf_path))
-    assert m.weights["model.embed_tokens.weight"].dtype == torch.bfloat16  # dtype auto on CPU
+    assert m.weights["model.embed_tokens.weight"].dtype == resolve_dtype("auto")
     m = load_model(LoadConfig(dtype="float32"), model_path=tiny_dirs["qwen3"])
     assert (m.format, m.config.architecture, m.config.name) == ("hf", "qwen3", "qwen3")
     assert m.weights["model.norm.weight"].dtype == torch.float32
@@ -417,8 +417,13 @@ def test_load_model_dispatch(tiny_dirs: dict[str, Path], tmp_path: Path) -> None
         load_model(LoadConfig(), model_path=tmp_path / "missing")
 
 
-def test_resolve_dtype() -> None:
+def test_resolve_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    import inferlab.models.loader as loader
+
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: True)
     assert resolve_dtype("auto") == torch.bfloat16
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)
+    assert resolve_dtype("auto") == torch.float32  # emulated bf16 is far slower than float32
     assert resolve_dtype("float16") == torch.float16
     with pytest.raises(ValueError, match="dtype must be"):
         resolve_dtype("int8")

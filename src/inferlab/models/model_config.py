@@ -159,16 +159,13 @@ def gguf_field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
 
 
 def llama3_rope_factors(head_dim: int, theta: float, scaling: dict[str, Any]) -> np.ndarray:
-    """The per-frequency divisors Llama 3's rope scaling applies (llama.cpp stores them as rope_freqs.weight)."""
-    factor = float(scaling["factor"])
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    old_ctx = float(scaling["original_max_position_embeddings"])
-    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    medium = 1.0 / ((1.0 - smooth) / factor + smooth)
-    out = np.where(wavelen > old_ctx / low, factor, np.where(wavelen < old_ctx / high, 1.0, medium))
-    return out.astype(np.float32)
+    """The per-frequency divisors Llama 3's rope scaling applies (llama.cpp stores them as
+    rope_freqs.weight): plain inverse frequencies over the scaled ones of models/rope.py."""
+    from inferlab.models.rope import rope_inv_freq
+
+    plain = rope_inv_freq(head_dim, theta, None).double()
+    scaled = rope_inv_freq(head_dim, theta, {**scaling, "rope_type": "llama3"}).double()
+    return (plain / scaled).numpy().astype(np.float32)
 
 
 def _llama3_scaling_from_factors(factors: np.ndarray, head_dim: int, theta: float) -> dict[str, Any]:
