@@ -13,11 +13,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from inferlab.engine.outputs import SchedulerStats
 from inferlab.engine.request import RequestOutput
+
+# vLLM exposes no `*_created` series; dashboards and routers that read ours expect the same set.
+disable_created_metrics()
 
 __all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics", "build_1_2_5_buckets"]
 
