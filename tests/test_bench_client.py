@@ -155,3 +155,66 @@ def test_llamacpp_style_error_field_is_a_failure():
     asyncio.run(_read_stream(resp, rec, lambda: 1.0))
     assert rec.status is RequestStatus.FAILED and rec.error == "error event: slot failed"
     assert len(rec.chunk_times) == 1
+
+
+def _read(body: bytes):
+    """Parse one SSE body with the client's reader; the clock ticks once a line, so the events
+    (each a data line and a blank line) arrive at t = 1, 3, 5, ..."""
+    import httpx
+
+    from inferlab.bench.client import _read_stream
+    from inferlab.bench.records import RequestRecord
+
+    clock = iter(range(1, 1000))
+    rec = RequestRecord(index=0)
+    asyncio.run(_read_stream(httpx.Response(200, stream=httpx.ByteStream(body)), rec, lambda: float(next(clock))))
+    return rec
+
+
+def test_final_usage_on_the_last_content_chunk_credits_that_chunk_one_token():
+    # No per-chunk usage; the total rides on the last chunk that still has text (some servers do
+    # this). That chunk brings one token, not all four: four chunks, three one-token gaps of 2 s.
+    body = (
+        b'data: {"choices":[{"index":0,"text":" a"}]}\n\n'
+        b'data: {"choices":[{"index":0,"text":" b"}]}\n\n'
+        b'data: {"choices":[{"index":0,"text":" c"}]}\n\n'
+        b'data: {"choices":[{"index":0,"text":" d","finish_reason":"length"}],'
+        b'"usage":{"prompt_tokens":7,"completion_tokens":4}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    rec = _read(body)
+    assert rec.status is RequestStatus.OK
+    assert rec.chunk_tokens == [1, 1, 1, 1]
+    assert rec.itls == [2.0, 2.0, 2.0]
+    assert (rec.output_tokens, rec.prompt_tokens) == (4, 7)
+
+
+def test_llamacpp_final_chunk_with_empty_text_and_cached_prompt_tokens():
+    # llama-server: one token a chunk, then a chunk with choices but no text carrying usage
+    # (with prompt_tokens_details.cached_tokens); that chunk is not a token.
+    body = (
+        b'data: {"choices":[{"index":0,"text":" a","finish_reason":null}]}\n\n'
+        b'data: {"choices":[{"index":0,"text":" b","finish_reason":null}]}\n\n'
+        b'data: {"choices":[{"index":0,"text":"","finish_reason":"length"}],'
+        b'"usage":{"completion_tokens":2,"prompt_tokens":128,"prompt_tokens_details":{"cached_tokens":64}}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    rec = _read(body)
+    assert rec.chunk_tokens == [1, 1]
+    assert rec.output_tokens == 2 and rec.cached_tokens == 64 and rec.prompt_tokens == 128
+    assert rec.e2e == 7.0  # E2E ends at [DONE], the fourth event
+
+
+def test_continuous_usage_that_skips_a_step_credits_two_tokens():
+    # A step whose text the server held back sends nothing; the next chunk's count grows by 2.
+    body = (
+        b'data: {"choices":[{"index":0,"text":" a"}],"usage":{"prompt_tokens":5,"completion_tokens":1}}\n\n'
+        b'data: {"choices":[{"index":0,"text":"\xc3\xa9"}],"usage":{"prompt_tokens":5,"completion_tokens":3}}\n\n'
+        b'data: {"choices":[{"index":0,"text":" b"}],"usage":{"prompt_tokens":5,"completion_tokens":4}}\n\n'
+        b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":4}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    rec = _read(body)
+    assert rec.chunk_tokens == [1, 2, 1]
+    assert rec.itls == [1.0, 1.0, 2.0]  # the 2 s gap before the two-token chunk is split in two
+    assert rec.cached_tokens is None

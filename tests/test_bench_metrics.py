@@ -161,3 +161,23 @@ def test_distserve_goodput_is_highest_load_meeting_the_target():
     assert distserve_goodput([(1.0, 0.5)], 0.9) is None
     with pytest.raises(ValueError):
         distserve_goodput(points, 1.5)
+
+
+def test_prefix_cache_hits_are_summed_and_flagged_for_random_prompts():
+    from inferlab.bench.report import _cache_lines
+
+    a, b, c = rec([(0.1, 1)], end=0.2), rec([(0.1, 1)], end=0.2), rec([(0.1, 1)], end=0.2)
+    a.cached_tokens, b.cached_tokens, c.cached_tokens = 48, 0, 0
+    s = summarize([a, b, c], 1.0)
+    assert (s.cached_prompt_tokens, s.cached_requests) == (48, 1)
+    assert s.to_dict()["cached_prompt_tokens"] == 48
+    assert summarize([rec([(0.1, 1)], end=0.2)], 1.0).cached_prompt_tokens is None  # server said nothing
+
+    doc = {"dataset": {"name": "random", "prefix_len": 0}, "runs": [{"label": "rate 1/s", "summary": s.to_dict()}]}
+    [line] = _cache_lines(doc)
+    assert line.startswith("rate 1/s: the server reused 48 of 30 prompt tokens from its prefix cache (1 requests)")
+    assert "--seed" in line
+    doc["dataset"] = {"name": "shared-prefix", "prefix_len": 64}
+    assert "--seed" not in _cache_lines(doc)[0]  # hits are the point of a shared prefix
+    doc["runs"][0]["summary"] = summarize([b, c], 1.0).to_dict()
+    assert _cache_lines(doc) == []

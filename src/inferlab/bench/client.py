@@ -118,28 +118,33 @@ def _chunk_text(obj: dict[str, Any]) -> str:
 
 
 class _StreamState:
-    """Token accounting across chunks: per-chunk token counts from continuous usage, when sent."""
+    """Token accounting across chunks: a content chunk carries the tokens the server's running
+    count (continuous usage) grew by since the tokens already credited, else one.
+
+    Crediting every chunk, counted or not, matters for servers that send no per-chunk usage but
+    attach the final total to the last content chunk: that chunk brings one token, not all of them.
+    """
 
     def __init__(self, rec: RequestRecord) -> None:
         self.rec = rec
-        self.seen_usage = False
-        self.counted = 0  # completion tokens the server has reported so far
-        self.pending = 0  # reported tokens not yet given to a content chunk (held-back text)
+        self.reported = 0  # the server's latest completion_tokens (cumulative)
+        self.credited = 0  # tokens given to content chunks so far
 
     def usage(self, usage: dict[str, Any]) -> None:
         if isinstance(usage.get("prompt_tokens"), int):
             self.rec.prompt_tokens = usage["prompt_tokens"]
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            self.rec.cached_tokens = details["cached_tokens"]
         c = usage.get("completion_tokens")
         if isinstance(c, int):
-            self.seen_usage = True
-            self.pending += max(0, c - self.counted)
-            self.counted = max(self.counted, c)
+            self.reported = max(self.reported, c)
             self.rec.output_tokens = c
             self.rec.output_tokens_source = "usage"
 
     def content(self, t: float, text: str) -> None:
-        tokens = self.pending if self.seen_usage and self.pending > 0 else 1
-        self.pending = 0
+        tokens = max(1, self.reported - self.credited)
+        self.credited += tokens
         self.rec.chunk_times.append(t)
         self.rec.chunk_tokens.append(tokens)
         self.rec.text += text

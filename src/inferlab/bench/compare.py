@@ -14,6 +14,14 @@ Run both with the same workload, e.g.
 Known, small differences: vLLM's ITL keeps one gap per chunk where we split a multi-token
 chunk per token (identical when every chunk carries one token); vLLM's E2E ends at the last
 chunk with choices, ours at [DONE]; vLLM's `failed` is our failed + incomplete + timeout.
+
+Against llama.cpp's llama-server (measured with vLLM 0.32.0, see
+benchmarks/results/bench_crosscheck.md): llama-server puts the final usage in its last chunk,
+which still has `choices` (empty text, finish_reason); vLLM reads usage only from chunks without
+choices, so it re-tokenizes the text instead and counts a few percent fewer output tokens (and
+one extra, near-zero ITL gap per request). vLLM's aiohttp pool also loses 1-2 requests in 32 to
+"Cannot write to closing transport" on llama-server's keep-alive connections;
+`--header Connection=close` on vLLM's side avoids it.
 """
 
 from __future__ import annotations

@@ -171,6 +171,10 @@ class RunSummary:
     cost_per_million_output_usd: float | None = None
     cost_per_million_input_usd: float | None = None
     output_token_sources: dict[str, int] = field(default_factory=dict)  # "usage"/"tokenizer"/"chunks" → requests
+    # Prompt tokens the server reused from its prefix cache (usage.prompt_tokens_details), and in how
+    # many completed requests; None when the server reports no such count.
+    cached_prompt_tokens: int | None = None
+    cached_requests: int | None = None
     errors: dict[str, int] = field(default_factory=dict)  # distinct error line → how many requests
 
     @property
@@ -202,6 +206,8 @@ class RunSummary:
             "cost_per_million_output_usd": self.cost_per_million_output_usd,
             "cost_per_million_input_usd": self.cost_per_million_input_usd,
             "output_token_sources": dict(self.output_token_sources),
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "cached_requests": self.cached_requests,
             "errors": dict(self.errors),
         }
         for name, dist in self.latency.items():
@@ -245,6 +251,7 @@ def summarize(
         goodput = _rate(good, dur)
         attainment = good / len(records) if records else 0.0
 
+    cached = [r.cached_tokens for r in done if r.cached_tokens is not None]
     out_tps = _rate(total_out, dur)
     in_tps = _rate(total_in, dur)
     errors = Counter(r.error for r in records if not r.ok and r.error)
@@ -272,6 +279,8 @@ def summarize(
         cost_per_million_input_usd=cost_per_million(usd_per_hour, in_tps) if usd_per_hour is not None else None,
         output_token_sources=dict(Counter(r.output_tokens_source for r in done if r.output_tokens_source)),
         errors=dict(errors.most_common(10)),
+        cached_prompt_tokens=sum(cached) if cached else None,
+        cached_requests=sum(1 for c in cached if c > 0) if cached else None,
     )
 
 

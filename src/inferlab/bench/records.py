@@ -43,6 +43,7 @@ class RequestRecord:
     chunk_times: list[float] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)
     prompt_tokens: int | None = None  # the server's usage.prompt_tokens, else the dataset's count
+    cached_tokens: int | None = None  # prompt tokens the server took from its prefix cache (when it says)
     output_tokens: int | None = None  # usage.completion_tokens; filled in after the run when absent
     output_tokens_source: str = ""  # "usage" | "tokenizer" | "chunks"
     text: str = ""  # the generated text (kept for token counting, not written to reports)

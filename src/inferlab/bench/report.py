@@ -8,7 +8,7 @@ Layout of the JSON (every run is a load level; a single run is a list of one):
     platform, httpx, numpy}, machine{cpu_count, cpu_model}, definitions, mode, warmup_requests,
     runs[{label, load{request_rate, burstiness, max_concurrency}, summary{flat vLLM-style keys},
           server_metrics|null, requests{status, error, http_status, send_s, ttft_s, tpot_s,
-          e2e_s, itl_s (list per request), input_tokens, output_tokens}}],
+          e2e_s, itl_s (list per request), input_tokens, output_tokens, cached_tokens}}],
     sweep|null{kind, levels, automatic, saturated_at, stop_reason, stopped_early, slo_target,
                distserve_goodput}
 """
@@ -32,7 +32,7 @@ REQUIRED_KEYS = (
     "schema", "label", "created_utc", "command_line", "config", "server", "dataset", "versions",
     "machine", "definitions", "mode", "runs", "sweep",
 )
-REQUEST_ARRAYS = ("status", "error", "http_status", "send_s", "ttft_s", "tpot_s", "e2e_s", "itl_s", "input_tokens", "output_tokens")
+REQUEST_ARRAYS = ("status", "error", "http_status", "send_s", "ttft_s", "tpot_s", "e2e_s", "itl_s", "input_tokens", "output_tokens", "cached_tokens")
 
 
 @dataclass
@@ -108,6 +108,7 @@ def request_arrays(result: RunResult) -> dict[str, list]:
         "itl_s": [[_r(g) for g in r.itls] for r in recs],
         "input_tokens": [r.prompt_tokens for r in recs],
         "output_tokens": [r.output_tokens for r in recs],
+        "cached_tokens": [r.cached_tokens for r in recs],
     }
 
 
@@ -269,6 +270,23 @@ def _sweep_lines(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _cache_lines(doc: dict[str, Any]) -> list[str]:
+    """Prefix-cache hits the server reported: wanted with shared prefixes, a warning otherwise
+    (random prompts repeat for the same --seed, so an earlier run can warm the cache for this one)."""
+    ds = doc["dataset"]
+    intended = bool(ds.get("prefix_len")) or ds.get("name") == "shared-prefix"
+    lines = []
+    for run in doc["runs"]:
+        s = run["summary"]
+        if s.get("cached_prompt_tokens"):
+            line = (f"{run['label']}: the server reused {s['cached_prompt_tokens']:,} of {s['total_input_tokens']:,} "
+                    f"prompt tokens from its prefix cache ({s['cached_requests']} requests)")
+            if not intended and ds.get("name") == "random":
+                line += "; random prompts repeat for the same --seed, so an earlier run may have warmed the cache (try another --seed)"
+            lines.append(line)
+    return lines
+
+
 def render_markdown(doc: dict[str, Any]) -> str:
     headers, rows = result_rows(doc)
     out = [f"# inferlab bench: {doc['label']}", ""]
@@ -277,7 +295,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
     out += ["| | " + " | ".join(headers) + " |", "|---|" + "---|" * len(headers)]
     out += [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows]
     out.append("")
-    extra = _sweep_lines(doc) + list(doc.get("notes") or []) + list(doc["dataset"].get("notes") or [])
+    extra = _sweep_lines(doc) + _cache_lines(doc) + list(doc.get("notes") or []) + list(doc["dataset"].get("notes") or [])
     out += [f"- {line}" for line in extra]
     out += ["", f"_{doc['definitions']}_", "", f"`{doc['command_line']}`", ""]
     return "\n".join(out)
@@ -299,5 +317,5 @@ def print_terminal(doc: dict[str, Any], console: Any | None = None) -> None:
     for line in _header_lines(doc):
         console.print(line)
     console.print(table)
-    for line in _sweep_lines(doc) + list(doc.get("notes") or []) + list(doc["dataset"].get("notes") or []):
+    for line in _sweep_lines(doc) + _cache_lines(doc) + list(doc.get("notes") or []) + list(doc["dataset"].get("notes") or []):
         console.print(f"• {line}")

@@ -48,6 +48,9 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-dtype", default=None,
                    help="weight precision: bf16, fp16, fp8, int8, q8_0, q4_0, q4_1, ... (default: as stored)")
     g.add_argument("--kv-dtype", default="bf16", help="KV-cache precision (default bf16)")
+    g.add_argument("--compute-dtype", default=None,
+                   help="precision the matrix products run in: bf16, fp16, fp32 (default: bf16, except on a "
+                        "measured CPU where fp32 measured faster, as the engine's own dtype=auto chooses)")
 
     w = p.add_argument_group("workload")
     w.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=None,
@@ -120,6 +123,7 @@ def plan_inputs(args: argparse.Namespace, model: ModelSpec, hardware: HardwareSp
         workload=workload,
         weight_precision=args.weight_dtype,
         kv_precision=args.kv_dtype,
+        compute_precision=args.compute_dtype or auto_compute_precision(hardware),
         usd_per_hour=args.usd_per_hour,
         reserve_fraction=args.reserve,
         reserve_bytes=parse_size(args.reserve_bytes),
@@ -128,3 +132,12 @@ def plan_inputs(args: argparse.Namespace, model: ModelSpec, hardware: HardwareSp
         step_overhead_s=args.step_overhead_ms / 1000.0,
         block_size=args.block_size,
     )
+
+
+def auto_compute_precision(hardware: HardwareSpec) -> str:
+    """bf16, unless this is a measured CPU whose fp32 products ran faster than bf16 ones (no
+    native bf16: the engine then computes in float32 too, see `models.loader.resolve_dtype`)."""
+    fp32, bf16 = hardware.flops.get("fp32"), hardware.flops.get("bf16")
+    if hardware.kind == "measured" and fp32 is not None and (bf16 is None or fp32 > bf16):
+        return "fp32"
+    return "bf16"

@@ -3,13 +3,15 @@
 Three kinds, one interface (`step_time(StepShape) -> seconds`):
 - `ConstantCost`: every step the same time (tests, and hand-computable examples);
 - `RooflineCost`: the planner's roofline (computed from configurations and spec sheets);
-- `LinearCost`: t = c0 + c_p·prefill tokens + c_d·decode tokens + c_k·context tokens read,
-  fitted by least squares to steps measured on our engine (`fit_linear`, `--calibrate`).
+- `LinearCost`: t = c0 + c_p·prefill tokens + c_d·decode tokens + c_k·context tokens read
+  (+ a correction for one-token steps), fitted by least squares to steps measured on our
+  engine (`fit_linear`; `--calibrate PROFILE`, `--calibrate-engine` records one).
 
 A linear model rather than the roofline's max(): on a CPU, and on a GPU at small batches,
-the terms add (kernels run one after another), and four coefficients are few enough to fit
+the terms add (kernels run one after another), and five coefficients are few enough to fit
 from a short profile. `shape_of(SchedulerOutput)` turns a real engine step into the shape,
 so a profile can be recorded by any driver of the real scheduler and model runner.
+`roofline_efficiencies` turns a fitted model back into the roofline's efficiency factors.
 """
 
 from __future__ import annotations
@@ -87,33 +89,52 @@ class RooflineCost:
 
 @dataclass(frozen=True)
 class LinearCost:
-    """t = intercept + per_prefill_token·P + per_decode_token·D + per_context_token·C (seconds)."""
+    """t = intercept + per_prefill_token·P + per_decode_token·D + per_context_token·C
+           + single_token_step·[P + D = 1]   (seconds)
+
+    The last term is a correction for a step that computes exactly one token: its matrix
+    products are matrix-vector products, which a CPU BLAS runs without the packing a
+    matrix-matrix product pays for, so a lone decode costs less than the intercept that every
+    batched step pays (measured here: ~49 ms for one token, ~80 ms for two). Zero when no
+    profiled step had one token, or in cost models saved before the term existed.
+    """
 
     intercept_s: float
     per_prefill_token_s: float
     per_decode_token_s: float
     per_context_token_s: float
     source: str = ""
-    fit: dict[str, Any] = field(default_factory=dict)  # n, r2, rms_s, notes
+    fit: dict[str, Any] = field(default_factory=dict)  # n, r2, rms_s, max_rel_err, median_rel_err, notes
     kind: str = "measured"
+    single_token_step_s: float = 0.0
 
     def step_time(self, shape: StepShape) -> float:
         if not shape.num_tokens:
             return 0.0
-        t = (self.intercept_s + self.per_prefill_token_s * shape.num_prefill_tokens
-             + self.per_decode_token_s * shape.num_decode_tokens + self.per_context_token_s * shape.context_tokens)
+        t = float(np.dot(self.coefficients, features(shape)))
         return max(t, 1e-9)  # a fit may extrapolate below zero for tiny steps; time still moves
+
+    @property
+    def coefficients(self) -> tuple[float, ...]:
+        """In the order of `FEATURES`."""
+        return (self.intercept_s, self.per_prefill_token_s, self.per_decode_token_s, self.per_context_token_s,
+                self.single_token_step_s)
 
     def describe(self) -> list[str]:
         notes = [
             f"linear step cost fitted to measured steps{' (' + self.source + ')' if self.source else ''}: "
             f"{self.intercept_s * 1e3:.4g} ms + {self.per_prefill_token_s * 1e6:.4g} µs/prefill token + "
             f"{self.per_decode_token_s * 1e6:.4g} µs/decode token + "
-            f"{self.per_context_token_s * 1e9:.4g} ns/context token",
+            f"{self.per_context_token_s * 1e9:.4g} ns/context token"
+            + (f" {self.single_token_step_s * 1e3:+.4g} ms for a one-token step" if self.single_token_step_s else ""),
         ]
         if self.fit:
-            notes.append(f"fit over {self.fit.get('n')} steps: R² {self.fit.get('r2', float('nan')):.3f}, "
-                         f"RMS error {self.fit.get('rms_s', float('nan')) * 1e3:.3g} ms")
+            line = (f"fit over {self.fit.get('n')} steps: R² {self.fit.get('r2', float('nan')):.3f}, "
+                    f"RMS error {self.fit.get('rms_s', float('nan')) * 1e3:.3g} ms")
+            if "max_rel_err" in self.fit:
+                line += (f", relative error median {self.fit['median_rel_err'] * 100:.2g}%, "
+                         f"max {self.fit['max_rel_err'] * 100:.2g}%")
+            notes.append(line)
             notes.extend(self.fit.get("notes", []))
         return notes
 
@@ -132,6 +153,7 @@ class LinearCost:
                 per_context_token_s=float(d["per_context_token_s"]),
                 source=str(d.get("source") or origin),
                 fit=dict(d.get("fit") or {}),
+                single_token_step_s=float(d.get("single_token_step_s") or 0.0),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{origin}: not a linear cost model (missing or bad {e})") from None
@@ -175,35 +197,63 @@ class StepSample:
         return cls(shape, t, fwd)
 
 
-_COLUMNS = ("intercept", "prefill tokens", "decode tokens", "context tokens")
+# The fitted model's inputs, in the order of LinearCost.coefficients.
+FEATURES = ("intercept", "prefill tokens", "decode tokens", "context tokens", "one-token step")
 
 
-def fit_linear(samples: list[StepSample], source: str = "") -> LinearCost:
-    """Least-squares fit of the four coefficients.
+def features(shape: StepShape) -> tuple[float, ...]:
+    return (1.0, float(shape.num_prefill_tokens), float(shape.num_decode_tokens), float(shape.context_tokens),
+            1.0 if shape.num_tokens == 1 else 0.0)
+
+
+def fit_linear(samples: list[StepSample], source: str = "", relative: bool = True) -> LinearCost:
+    """Least-squares fit of the coefficients of `LinearCost`.
+
+    relative=True minimises relative rather than absolute errors: measured steps span ~50 ms
+    decodes to multi-second prefills, and an absolute fit would spend its freedom on the long
+    prefills while missing the decode steps (which set TPOT) by tens of percent.
 
     A column that is zero in every sample (e.g. no prefill was measured) cannot be fitted; its
     coefficient is set to 0 and a note says so, rather than letting lstsq's minimum-norm
-    answer pass for a measurement.
+    answer pass for a measurement. A per-token or per-context coefficient that comes out
+    negative is noise (more work never takes less time): it is fixed at 0 and the rest refitted.
     """
     if len(samples) < 2:
         raise ValueError(f"calibration needs at least 2 measured steps, got {len(samples)}")
-    x = np.array([[1.0, s.shape.num_prefill_tokens, s.shape.num_decode_tokens, s.shape.context_tokens]
-                  for s in samples], dtype=float)
+    x = np.array([features(s.shape) for s in samples], dtype=float)
     y = np.array([s.step_time_s for s in samples], dtype=float)
-    active = [j for j in range(4) if j == 0 or np.any(x[:, j] != 0)]
-    notes = [f"{_COLUMNS[j]}: no sample had any, coefficient set to 0" for j in range(4) if j not in active]
+    ncol = len(FEATURES)
+    active = [j for j in range(ncol) if j == 0 or np.any(x[:, j] != 0)]
+    notes = [f"{FEATURES[j]}: no sample had any, coefficient set to 0" for j in range(1, ncol) if j not in active]
+    # The one-token correction is a refinement: fitted only when the steps say something about it
+    # beyond the other columns (not every step one token, and a sample to spare).
+    if 4 in active and (np.all(x[:, 4] == 1) or len(samples) < len(active)):
+        active.remove(4)
+        notes.append(f"{FEATURES[4]}: too few distinct steps to fit it, coefficient set to 0")
     if len(samples) < len(active):
         raise ValueError(f"calibration needs at least {len(active)} measured steps for {len(active)} coefficients, "
                          f"got {len(samples)}")
-    coef_active, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
-    coef = np.zeros(4)
+    w = 1.0 / y if relative else np.ones_like(y)
+    while True:
+        coef_active, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+        negative = [j for j, c in zip(active, coef_active) if j in (1, 2, 3) and c < 0]
+        if not negative:
+            break
+        for j in negative:
+            active.remove(j)
+            notes.append(f"{FEATURES[j]}: fitted below zero (noise), coefficient fixed at 0")
+    coef = np.zeros(ncol)
     coef[active] = coef_active
     pred = x @ coef
     ss_res = float(np.sum((y - pred) ** 2))
     ss_tot = float(np.sum((y - y.mean()) ** 2))
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
-    fit = {"n": len(samples), "r2": r2, "rms_s": float(np.sqrt(ss_res / len(samples))), "notes": notes}
-    return LinearCost(float(coef[0]), float(coef[1]), float(coef[2]), float(coef[3]), source=source, fit=fit)
+    rel = np.abs(pred - y) / y
+    fit = {"n": len(samples), "r2": r2, "rms_s": float(np.sqrt(ss_res / len(samples))),
+           "max_rel_err": float(rel.max()), "median_rel_err": float(np.median(rel)),
+           "weighting": "relative" if relative else "absolute", "notes": notes}
+    return LinearCost(float(coef[0]), float(coef[1]), float(coef[2]), float(coef[3]), source=source, fit=fit,
+                      single_token_step_s=float(coef[4]))
 
 
 def load_profile(path: str | Path) -> list[StepSample]:
@@ -219,9 +269,13 @@ def load_profile(path: str | Path) -> list[StepSample]:
     return [StepSample.from_dict(d) for d in items]
 
 
-def write_profile(samples: list[StepSample], path: str | Path) -> None:
-    Path(path).write_text(json.dumps({"schema": PROFILE_SCHEMA, "samples": [s.to_dict() for s in samples]},
-                                     indent=1) + "\n")
+def write_profile(samples: list[StepSample], path: str | Path, meta: dict[str, Any] | None = None) -> None:
+    """`meta`: where and how the steps were measured (model, dtype, threads, date), kept beside them."""
+    doc: dict[str, Any] = {"schema": PROFILE_SCHEMA}
+    if meta:
+        doc["meta"] = meta
+    doc["samples"] = [s.to_dict() for s in samples]
+    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
 
 
 def load_cost_model(path: str | Path) -> LinearCost:
@@ -237,3 +291,24 @@ def load_cost_model(path: str | Path) -> LinearCost:
 
 def save_cost_model(model: LinearCost, path: str | Path) -> None:
     Path(path).write_text(json.dumps(model.to_dict(), indent=2) + "\n")
+
+
+def roofline_efficiencies(cost: LinearCost, roofline: Roofline, context: float) -> tuple[float, float]:
+    """(memory, compute) efficiencies at which the roofline reproduces a fitted cost model, so
+    that `inferlab plan` can be calibrated too (--memory-efficiency, --compute-efficiency).
+
+    memory: a one-sequence decode at `context` tokens, the most memory-bound step there is;
+    compute: the marginal time of one more prompt token in a lone prefill (per prefill token
+    plus its own context token), the most compute-bound. Each is capped at 1 (a fit can beat
+    a bandwidth or FLOP rate measured on a busy machine) and must be > 0.
+    """
+    decode = StepShape.decode(1, context)
+    est = roofline.step(decode)
+    measured_decode = cost.step_time(decode)
+    per_token = cost.per_prefill_token_s + cost.per_context_token_s
+    if measured_decode <= 0 or per_token <= 0:
+        raise ValueError("the cost model predicts no time for a decode or a prefill token; cannot calibrate a roofline")
+    # est is at the roofline's own efficiencies; undo them to compare with the peak rates.
+    memory_peak_s = est.memory_time_s * roofline.memory_efficiency
+    compute_peak_s = roofline.matmul_flops_per_token / roofline.compute_rate
+    return min(memory_peak_s / measured_decode, 1.0), min(compute_peak_s / per_token, 1.0)

@@ -55,6 +55,7 @@ class PlanInputs:
     workload: Workload = field(default_factory=Workload)
     weight_precision: str | None = None  # None = as stored (a file's bytes, or the native precision)
     kv_precision: str = "bf16"
+    compute_precision: str = "bf16"  # the precision the matrix products run in (its FLOP/s is used)
     usd_per_hour: float | None = None
     reserve_fraction: float = 0.10  # memory kept back for activations and the runtime (vLLM's 0.9)
     reserve_bytes: float = 0.0  # a fixed activation reserve on top of the fraction
@@ -75,8 +76,8 @@ class PlanInputs:
 
     def roofline(self) -> Roofline:
         return Roofline(self.model, self.hardware, self.weight_precision, self.kv_precision,
-                        memory_efficiency=self.memory_efficiency, compute_efficiency=self.compute_efficiency,
-                        step_overhead_s=self.step_overhead_s)
+                        compute_precision=self.compute_precision, memory_efficiency=self.memory_efficiency,
+                        compute_efficiency=self.compute_efficiency, step_overhead_s=self.step_overhead_s)
 
 
 @dataclass

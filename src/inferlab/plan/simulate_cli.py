@@ -5,6 +5,7 @@ the same report as `inferlab bench` so prediction and measurement compare line b
         --max-concurrency 50 --num-prompts 200 --max-num-seqs 64 --result-file sim.json
     inferlab simulate ... --calibrate profile.json     # cost fitted to our engine's measured steps
     inferlab simulate ... --constant-step-ms 10        # a trivial cost model (hand-checkable)
+    inferlab simulate --calibrate-engine --profile-out profile.json   # measure our engine here first
 
 The KV cache gets as many blocks as the plan's memory budget allows (or --num-blocks).
 """
@@ -26,6 +27,7 @@ from inferlab.bench.metrics import (
 )
 from inferlab.bench.report import print_terminal, write_json
 from inferlab.config import CacheConfig, SchedulerConfig
+from inferlab.plan import calibrate_cli
 from inferlab.plan.args import DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN, add_common_arguments, plan_inputs
 from inferlab.plan.args import resolve_hardware, resolve_model
 from inferlab.plan.cost_model import (
@@ -69,6 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--save-cost-model", metavar="FILE.json", help="write the fitted cost model here")
     c.add_argument("--constant-step-ms", type=float, default=None, help="every step takes this long")
 
+    calibrate_cli.add_arguments(p)
+
     r = p.add_argument_group("report")
     r.add_argument("--result-file", help="write the inferlab.bench/1 JSON report here")
     r.add_argument("--label", default=None)
@@ -103,6 +107,8 @@ def _cost_model(args: argparse.Namespace, roofline, log) -> StepCostModel:
 
 def run(args: argparse.Namespace) -> int:
     log = (lambda s: print(s, file=sys.stderr)) if args.json else print
+    if args.calibrate_engine:
+        return calibrate_cli.run(args, log)
     model = resolve_model(args)
     input_len = args.input_len if args.input_len is not None else DEFAULT_INPUT_LEN
     output_len = args.output_len if args.output_len is not None else DEFAULT_OUTPUT_LEN
