@@ -83,31 +83,38 @@ class CpuWatch:
         idle = v[3] + (v[4] if len(v) > 4 else 0)  # idle + iowait
         return (sum(v[:8]) - idle) / self.tick
 
-    def _mine_s(self) -> float:
+    def _clients_s(self) -> float:
+        """This script and its finished children (`inferlab bench`, the load generator)."""
         import resource
 
         t = 0.0
         for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
             r = resource.getrusage(who)
             t += r.ru_utime + r.ru_stime
-        if self.server_pid is not None:
-            try:
-                with open(f"/proc/{self.server_pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                t += (int(fields[11]) + int(fields[12])) / self.tick  # utime, stime
-            except OSError:
-                pass
         return t
 
+    def _server_s(self) -> float:
+        if self.server_pid is None:
+            return 0.0
+        try:
+            with open(f"/proc/{self.server_pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / self.tick  # utime, stime of all its threads
+        except OSError:
+            return 0.0
+
     def __enter__(self) -> CpuWatch:
-        self.t0, self.busy0, self.mine0 = time.monotonic(), self._busy_s(), self._mine_s()
+        self.t0, self.busy0 = time.monotonic(), self._busy_s()
+        self.clients0, self.server0 = self._clients_s(), self._server_s()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        wall = max(time.monotonic() - self.t0, 1e-9)
-        other = (self._busy_s() - self.busy0) - (self._mine_s() - self.mine0)
-        self.wall_s = wall
-        self.other_share = max(other, 0.0) / (wall * (os.cpu_count() or 1))
+        self.wall_s = max(time.monotonic() - self.t0, 1e-9)
+        cores = os.cpu_count() or 1
+        self.client_cores = (self._clients_s() - self.clients0) / self.wall_s
+        self.server_cores = (self._server_s() - self.server0) / self.wall_s
+        other = (self._busy_s() - self.busy0) / self.wall_s - self.client_cores - self.server_cores
+        self.other_share = max(other, 0.0) / cores
 
 
 class Log:
@@ -210,7 +217,8 @@ def measure(args: argparse.Namespace, work: Path, log: Log) -> dict[int, dict]:
                 log.note(f"measured c={c} (attempt {attempt + 1}): {watch.wall_s:.0f} s, load average {la:.2f} "
                          f"before, {load_avg():.2f} after; other processes used {watch.other_share:.0%} of the CPU"
                          + (" — disturbed" if disturbed else "")
-                         + f"; output {summary['output_throughput']:.1f} tok/s, median ITL "
+                         + f"; the server used {watch.server_cores:.2f} cores, the bench client "
+                         f"{watch.client_cores:.2f}; output {summary['output_throughput']:.1f} tok/s, median ITL "
                          f"{summary['median_itl_ms']:.1f} ms")
                 if c not in best or watch.other_share < best[c]:  # keep the least disturbed attempt
                     best[c], out[c] = watch.other_share, summary
