@@ -24,6 +24,7 @@ import json
 import os
 import shlex
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,6 +39,9 @@ TARGET = 0.25  # |predicted / measured − 1| the simulator aims at after calibr
 ROWS = [
     ("output tok/s", "total_tokens_per_s_with_prefill", 1.0, "output_throughput"),
     ("median TTFT ms", "ttft", 1e3, "median_ttft_ms"),
+    # With c prompts arriving at once, TTFT has one mode per prefill step; the median can sit
+    # between two modes and jump from one run to the next. The mean is stable.
+    ("mean TTFT ms", "ttft", 1e3, "mean_ttft_ms"),
     ("median TPOT ms", "tpot", 1e3, "median_tpot_ms"),
     ("median ITL ms", "decode_step_time", 1e3, "median_itl_ms"),
     ("median E2E ms", "e2el", 1e3, "median_e2el_ms"),
@@ -193,37 +197,44 @@ def kv_blocks(model_file: str, block_size: int = 16, budget: int = 1 << 30, elem
     return budget // (2 * m.num_layers * m.num_kv_heads * m.head_dim * elem_bytes * block_size)
 
 
-def measure(args: argparse.Namespace, work: Path, log: Log) -> dict[int, dict]:
-    """One bench run per concurrency against one server; summaries by concurrency. A level run
-    while other processes took more than --max-other of the CPU is run again (up to --retries),
-    and the least disturbed attempt is kept."""
+def measure(args: argparse.Namespace, work: Path, log: Log) -> dict[int, list[dict]]:
+    """--repeats bench runs per concurrency against one server; their summaries by concurrency.
+
+    Repeats, because on a small shared VM two quiet runs of the same level still differ by
+    10-20% (the host's speed drifts, unseen from inside). A run while other processes took more than --max-other of the CPU is run again
+    (up to --retries), and the least disturbed attempt is kept.
+    """
     port = free_port()
     server = start_server(port, args, log)
-    out: dict[int, dict] = {}
-    best: dict[int, float] = {}
+    out: dict[int, list[dict]] = {}
     try:
-        for c in args.concurrency:
-            path = work / f"bench_c{c}.json"
+        # Round-robin over the levels: the machine's speed drifts over minutes, and each level
+        # should see the same mix of fast and slow moments.
+        for rep, c in ((r, c) for r in range(args.repeats) for c in args.concurrency):
+            path = work / f"bench_c{c}_r{rep + 1}.json"
+            best: tuple[float, dict] | None = None
             cmd = inferlab("bench", "--base-url", f"http://127.0.0.1:{port}", "--input-len", str(args.input_len),
                            "--output-len", str(args.output_len), "--num-prompts", str(args.prompts_per_client * c),
                            "--max-concurrency", str(c), "--ignore-eos", "--warmup", "1", "--no-progress",
-                           "--result-file", str(path))
+                           # fresh prompts for every run: a repeated seed would hit the prefix cache
+                           "--seed", str(100 * c + rep), "--result-file", str(path))
             for attempt in range(1 + args.retries):
                 la = wait_for_quiet(args.quiet_load, args.max_wait)
                 with CpuWatch(server.pid) as watch:
                     run(cmd, log, capture=True)
                 summary = json.loads(path.read_text())["runs"][0]["summary"]
                 disturbed = watch.other_share > args.max_other
-                log.note(f"measured c={c} (attempt {attempt + 1}): {watch.wall_s:.0f} s, load average {la:.2f} "
+                log.note(f"measured c={c}, run {rep + 1} (attempt {attempt + 1}): {watch.wall_s:.0f} s, load average {la:.2f} "
                          f"before, {load_avg():.2f} after; other processes used {watch.other_share:.0%} of the CPU"
                          + (" — disturbed" if disturbed else "")
                          + f"; the server used {watch.server_cores:.2f} cores, the bench client "
                          f"{watch.client_cores:.2f}; output {summary['output_throughput']:.1f} tok/s, median ITL "
                          f"{summary['median_itl_ms']:.1f} ms")
-                if c not in best or watch.other_share < best[c]:  # keep the least disturbed attempt
-                    best[c], out[c] = watch.other_share, summary
+                if best is None or watch.other_share < best[0]:  # keep the least disturbed attempt
+                    best = (watch.other_share, summary)
                 if not disturbed:
                     break
+            out.setdefault(c, []).append(best[1])
     finally:
         stop_server(server)
     return out
@@ -256,26 +267,31 @@ def simulate_summary(c: int, model_file: str, profile: str, blocks: int, args: a
     cmd = inferlab("simulate", "--model", model_file, "--calibrate", profile, "--num-blocks", str(blocks),
                    "--max-num-seqs", str(args.max_num_seqs), "--input-len", str(args.input_len),
                    "--output-len", str(args.output_len), "--concurrency", str(c),
-                   "--num-prompts", str(args.prompts_per_client * c), "--json")
+                   "--num-prompts", str(args.prompts_per_client * c),
+                   "--request-latency-ms", f"{args.request_latency_ms:g}", "--json")
     doc = json.loads(run(cmd, log, capture=True))
     return doc["runs"][0]["summary"]
 
 
 def table(concurrency: list[int], plan: dict, plan_cal: dict, sim: dict,
-          meas: dict) -> tuple[list[str], list[tuple[int, str, float]]]:
-    """Markdown table lines, and (concurrency, figure, simulate ratio) for the verdict."""
-    head = ("| figure | c | plan | plan, calibrated | simulate | measured | plan / meas. | plan cal. / meas. "
-            "| **simulate / meas.** |")
+          meas: dict[int, list[dict]]) -> tuple[list[str], list[tuple[int, str, float]]]:
+    """Markdown table lines, and (concurrency, figure, simulate ratio) for the verdict. The
+    measured figure is the median over the repeated runs, with their range beside it."""
+    head = ("| figure | c | plan | plan, calibrated | simulate | measured (range) | plan / meas. "
+            "| plan cal. / meas. | **simulate / meas.** |")
     lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     sim_ratios = []
     for label, fig, factor, key in ROWS:
         for c in concurrency:
             p, pc = (None if d[c].get(fig) is None else d[c][fig] * factor for d in (plan, plan_cal))
-            s, m = sim[c].get(key), meas[c].get(key)
+            runs = [r[key] for r in meas[c] if r.get(key) is not None]
+            m = statistics.median(runs) if runs else None
+            spread = f" ({_fmt(min(runs))}–{_fmt(max(runs))})" if len(runs) > 1 else ""
+            s = sim[c].get(key)
             rp, rpc, rs = (x / m if x is not None and m else None for x in (p, pc, s))
             if rs is not None:
                 sim_ratios.append((c, label, rs))
-            lines.append(f"| {label} | {c} | {_fmt(p)} | {_fmt(pc)} | {_fmt(s)} | {_fmt(m)} | {_fmt(rp, 2)} "
+            lines.append(f"| {label} | {c} | {_fmt(p)} | {_fmt(pc)} | {_fmt(s)} | {_fmt(m)}{spread} | {_fmt(rp, 2)} "
                          f"| {_fmt(rpc, 2)} | **{_fmt(rs, 2)}** |")
     return lines, sim_ratios
 
@@ -306,6 +322,11 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--prompts-per-client", type=int, default=2, help="requests per level = this × concurrency")
     p.add_argument("--max-num-seqs", type=int, default=32, help="the server's and the simulator's (default 32)")
+    p.add_argument("--repeats", type=int, default=3, help="bench runs per concurrency; the median is compared (default 3)")
+    p.add_argument("--profile-repeats", type=int, default=2, help="passes of the calibration workload (default 2)")
+    p.add_argument("--request-latency-ms", type=float, default=2.0,
+                   help="the simulator's client-to-scheduler latency (default 2: localhost HTTP and tokenization; "
+                        "any value well below a step has the same effect)")
     p.add_argument("--profile", default=None, help="a profile from `inferlab simulate --calibrate-engine` (skip it)")
     p.add_argument("--hardware-file", default=None, help="a profile from `inferlab plan --measure-cpu` (skip it)")
     p.add_argument("--work-dir", default=None, help="keep the JSON files here (default: a temporary directory)")
@@ -328,7 +349,8 @@ def main() -> int:
     profile = args.profile
     if profile is None:
         profile = str(work / "profile.json")
-        cmd = inferlab("simulate", "--calibrate-engine", "--profile-out", profile)
+        cmd = inferlab("simulate", "--calibrate-engine", "--profile-out", profile,
+                       "--profile-repeats", str(args.profile_repeats))
         if args.model:
             cmd += ["--model", args.model]
         for attempt in range(1 + args.retries):
@@ -383,11 +405,16 @@ def write_markdown(path: Path, args: argparse.Namespace, lines: list[str], check
         "# Prediction against measurement: `inferlab plan` / `inferlab simulate` vs `inferlab bench`",
         "",
         f"Workload: random prompts of {args.input_len} tokens, exactly {args.output_len} output tokens "
-        f"(ignore_eos), closed loop of c clients, {args.prompts_per_client}×c requests per level, "
+        f"(ignore_eos), closed loop of c clients, {args.prompts_per_client}×c requests per level, each level "
+        f"run {args.repeats} times (the median of the runs is compared; their range in parentheses), "
         f"server with --max-num-seqs {args.max_num_seqs}; {os.cpu_count()} CPU cores. "
         "plan = roofline on the `--measure-cpu` profile (fp32 weights, KV and compute, as the engine runs "
         "on this CPU); simulate = the real scheduler with the linear step cost fitted by "
-        "`inferlab simulate --calibrate-engine`; measured = `inferlab bench` against `inferlab serve`. "
+        "`inferlab simulate --calibrate-engine`, requests reaching the scheduler "
+        f"{args.request_latency_ms:g} ms after they are sent; "
+        "plan, calibrated = the same roofline with the memory and compute efficiencies that match the "
+        "fitted cost (`cost_model.roofline_efficiencies`); "
+        "measured = `inferlab bench` against `inferlab serve`. "
         f"Target: simulate within {TARGET:.0%} of measured.",
         "",
         *lines,

@@ -25,14 +25,15 @@ from inferlab.plan.hardware import HardwareSpec
 from inferlab.plan.roofline import StepShape
 
 # A CPU-like truth: batched steps pay 75 ms, a one-token step 25 ms less.
-TRUE = LinearCost(0.075, 1.8e-3, 2.5e-3, 2e-6, single_token_step_s=-0.025)
+TRUE = LinearCost(0.075, 1.8e-3, 2.5e-3, 2e-6, single_token_step_s=-0.025, per_attention_pair_s=1e-6)
 
 
 def shapes():
-    out = [StepShape(p, 0, 1, p, 0) for p in (32, 64, 128, 256, 512, 1024)]
-    out += [StepShape(0, b, b, b * c, 0) for b in (1, 2, 4, 8, 16, 32) for c in (130, 520)]
-    out += [StepShape(64, b, b + 1, b * 130 + 64, 0) for b in (1, 4, 16)]
-    return out
+    lone = [StepShape.from_chunks([(0, p, False)]) for p in (32, 64, 128, 256, 512, 1024)]
+    decodes = [StepShape.from_chunks([(c - 1, 1, True)] * b) for b in (1, 2, 4, 8, 16, 32) for c in (130, 520)]
+    mixed = [StepShape.from_chunks([(129, 1, True)] * b + [(0, 64, False)]) for b in (1, 4, 16)]
+    many = [StepShape.from_chunks([(0, 128, False)] * n) for n in (8, 16)]
+    return lone + decodes + mixed + many
 
 
 def test_fit_recovers_known_coefficients_including_the_one_token_step():
@@ -48,17 +49,17 @@ def test_noisy_fit_stays_close_and_reports_its_errors():
     fit = fit_linear(samples)
     decode1 = StepShape.decode(1, 130)
     decode32 = StepShape.decode(32, 130)
-    for shape in (decode1, decode32, StepShape(1024, 0, 1, 1024, 0)):
+    for shape in (decode1, decode32, StepShape.from_chunks([(0, 1024, False)])):
         assert fit.step_time(shape) == pytest.approx(TRUE.step_time(shape), rel=0.05)
-    assert 0.02 < fit.fit["median_rel_err"] < fit.fit["max_rel_err"] < 0.2
+    assert 0.01 < fit.fit["median_rel_err"] < fit.fit["max_rel_err"] < 0.2
     assert fit.fit["r2"] > 0.99
 
 
 def test_relative_weighting_keeps_the_short_steps_right():
-    # A truth the linear model cannot follow exactly (prefill attention grows with P²): an
-    # absolute fit bends towards the multi-second prefills and misses the ~100 ms decodes.
+    # A truth the linear model cannot follow exactly (matmuls get cheaper per token in big
+    # steps): an absolute fit bends towards the multi-second prefills and misses the decodes.
     def truth(s):
-        return 0.05 + 0.002 * s.num_decode_tokens + 0.0015 * s.num_prefill_tokens + 4e-7 * s.num_prefill_tokens ** 2
+        return 0.05 + 0.002 * s.num_decode_tokens + 0.0025 * s.num_prefill_tokens - 4e-7 * s.num_prefill_tokens ** 2
 
     samples = [StepSample(s, truth(s)) for s in shapes()]
     decodes = [s for s in samples if s.shape.num_prefill_tokens == 0]
@@ -69,6 +70,15 @@ def test_relative_weighting_keeps_the_short_steps_right():
     rel, ab = fit_linear(samples, relative=True), fit_linear(samples, relative=False)
     assert worst_decode_error(rel) < worst_decode_error(ab)
     assert rel.fit["max_rel_err"] < ab.fit["max_rel_err"]
+
+
+def test_attention_pairs_tell_one_long_prompt_from_many_short_ones():
+    fit = fit_linear([StepSample(s, TRUE.step_time(s)) for s in shapes()])
+    one_long, eight_short = StepShape.from_chunks([(0, 1024, False)]), StepShape.from_chunks([(0, 128, False)] * 8)
+    assert one_long.num_tokens == eight_short.num_tokens and one_long.context_tokens == eight_short.context_tokens
+    gap = fit.step_time(one_long) - fit.step_time(eight_short)
+    assert gap == pytest.approx(1e-6 * (one_long.attention_pairs - eight_short.attention_pairs), rel=1e-6)
+    assert gap > 0.4  # ~460k more (query, key) pairs at 1 µs each
 
 
 def test_a_negative_per_context_cost_is_fixed_at_zero():
@@ -109,11 +119,13 @@ def test_sized_spec_and_its_bounds():
     spec = ProfileSpec.sized(32, 1024)
     assert spec.prefill_lens == (32, 64, 128, 256, 512, 1024)
     assert spec.ramps == (Ramp(32, 128), Ramp(16, 512))
+    assert (spec.bursts, spec.burst_len) == ((4, 8, 16), 128)
     assert spec.max_batch == 33  # the ramp plus the prompt that joins it
     assert spec.max_model_len == 1025
     small = ProfileSpec.sized(4, 48)
     assert small.prefill_lens == (32, 48)
     assert small.ramps == (Ramp(4, 48),)
+    assert small.bursts == () and small.burst_len == 48
     with pytest.raises(ValueError, match="sizes must be >= 1"):
         ProfileSpec.sized(0, 64)
     with pytest.raises(ValueError, match="repeats"):
@@ -136,15 +148,15 @@ def test_recorded_steps_have_the_profiled_shapes(tiny_engine):
     _, engine = tiny_engine
     seen = []
     engine.step_observer = lambda so, ro: seen.append(so.num_scheduled_tokens)
-    spec = ProfileSpec.sized(4, 48)
+    spec = ProfileSpec.sized(4, 48, bursts=(2,))
     samples = profile_engine(engine, spec)
     assert engine.step_observer is not None and not engine.has_unfinished_requests()
     engine.step_observer = None
     # the previous observer still saw every step: the unrecorded warm-up (16 prompt tokens, 3 out), then ours
     assert seen == [16, 1, 1] + [s.shape.num_tokens for s in samples]
     prefills = [s.shape for s in samples if step_kind(s) == "prefill"]
-    # the lone prefills first, one step each, then the ramp's 4 prompts of 48 in one step
-    assert [(p.num_prefill_tokens, p.num_seqs) for p in prefills] == [(32, 1), (48, 1), (192, 4)]
+    # the lone prefills first, one step each, then a burst of 2 prompts, then the ramp's 4 prompts of 48
+    assert [(p.num_prefill_tokens, p.num_seqs) for p in prefills] == [(32, 1), (48, 1), (96, 2), (192, 4)]
     decodes = [s.shape for s in samples if step_kind(s) == "decode"]
     assert {d.num_decode_tokens for d in decodes} == {4, 2, 1}
     assert all(d.context_tokens > 48 * d.num_decode_tokens for d in decodes)

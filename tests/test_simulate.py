@@ -158,3 +158,26 @@ def test_bad_workloads(kwargs, message):
     base.update(kwargs)
     with pytest.raises(ValueError, match=message):
         SimWorkload(**base)
+
+
+def test_request_latency_keeps_a_replacement_out_of_the_running_step():
+    # 2 clients, 3 requests of 8 + 4 tokens, an 8-token budget, 10 ms steps. r0 prefills in step 1,
+    # r1's prompt is chunked 7 + 1 behind r0's decodes, so r0 finishes after 4 steps and r1 after 6.
+    # r2 is sent when r0 finishes. With no latency it joins step 5 at once: chunks 7 + 1 ->
+    # first token 2 steps after it was sent. A real server has started step 5 before r2 arrives:
+    # with 1 ms, r2 waits for step 6 -> first token 3 steps after it was sent. (With 1 ms every
+    # time also moves by 1 ms: the first requests reach the idle engine at 1 ms.)
+    kw = dict(num_prompts=3, max_concurrency=2, budget=8)
+    _, now = run(**kw)
+    _, late = run(**kw, request_latency_s=0.001)
+    for res, d in ((now, 0.0), (late, 0.001)):
+        assert res.traces[0].end_time == pytest.approx(d + 0.04)
+        assert res.traces[1].end_time == pytest.approx(d + 0.06)
+        assert res.traces[2].send_time == pytest.approx(d + 0.04)
+    assert now.traces[2].token_times == pytest.approx([0.06, 0.07, 0.08, 0.09])
+    assert late.traces[2].token_times == pytest.approx([0.071, 0.081, 0.091, 0.101])
+    # an idle engine starts as soon as the request arrives: TTFT = latency + one step
+    _, one = run(num_prompts=1, request_latency_s=0.001)
+    assert one.traces[0].token_times[0] - one.traces[0].send_time == pytest.approx(0.011)
+    with pytest.raises(ValueError, match="request latency"):
+        run(request_latency_s=-1.0)

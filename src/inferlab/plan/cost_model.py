@@ -4,11 +4,11 @@ Three kinds, one interface (`step_time(StepShape) -> seconds`):
 - `ConstantCost`: every step the same time (tests, and hand-computable examples);
 - `RooflineCost`: the planner's roofline (computed from configurations and spec sheets);
 - `LinearCost`: t = c0 + c_p·prefill tokens + c_d·decode tokens + c_k·context tokens read
-  (+ a correction for one-token steps), fitted by least squares to steps measured on our
-  engine (`fit_linear`; `--calibrate PROFILE`, `--calibrate-engine` records one).
+  + c_a·attention pairs (+ a correction for one-token steps), fitted by least squares to steps
+  measured on our engine (`fit_linear`; `--calibrate PROFILE`, `--calibrate-engine` records one).
 
 A linear model rather than the roofline's max(): on a CPU, and on a GPU at small batches,
-the terms add (kernels run one after another), and five coefficients are few enough to fit
+the terms add (kernels run one after another), and six coefficients are few enough to fit
 from a short profile. `shape_of(SchedulerOutput)` turns a real engine step into the shape,
 so a profile can be recorded by any driver of the real scheduler and model runner.
 `roofline_efficiencies` turns a fitted model back into the roofline's efficiency factors.
@@ -90,13 +90,16 @@ class RooflineCost:
 @dataclass(frozen=True)
 class LinearCost:
     """t = intercept + per_prefill_token·P + per_decode_token·D + per_context_token·C
-           + single_token_step·[P + D = 1]   (seconds)
+           + per_attention_pair·A + single_token_step·[P + D = 1]   (seconds)
 
+    Context tokens (C) are K/V read from the cache, linear in each sequence's length;
+    attention pairs (A, query × key) are the attention FLOPs, quadratic in a prefill chunk's
+    length: a lone 1,024-token prompt does 8× the attention work of eight 128-token ones.
     The last term is a correction for a step that computes exactly one token: its matrix
     products are matrix-vector products, which a CPU BLAS runs without the packing a
     matrix-matrix product pays for, so a lone decode costs less than the intercept that every
     batched step pays (measured here: ~49 ms for one token, ~80 ms for two). Zero when no
-    profiled step had one token, or in cost models saved before the term existed.
+    profiled step had one token. The last two are 0 in cost models saved before they existed.
     """
 
     intercept_s: float
@@ -107,6 +110,7 @@ class LinearCost:
     fit: dict[str, Any] = field(default_factory=dict)  # n, r2, rms_s, max_rel_err, median_rel_err, notes
     kind: str = "measured"
     single_token_step_s: float = 0.0
+    per_attention_pair_s: float = 0.0
 
     def step_time(self, shape: StepShape) -> float:
         if not shape.num_tokens:
@@ -118,14 +122,15 @@ class LinearCost:
     def coefficients(self) -> tuple[float, ...]:
         """In the order of `FEATURES`."""
         return (self.intercept_s, self.per_prefill_token_s, self.per_decode_token_s, self.per_context_token_s,
-                self.single_token_step_s)
+                self.per_attention_pair_s, self.single_token_step_s)
 
     def describe(self) -> list[str]:
         notes = [
             f"linear step cost fitted to measured steps{' (' + self.source + ')' if self.source else ''}: "
             f"{self.intercept_s * 1e3:.4g} ms + {self.per_prefill_token_s * 1e6:.4g} µs/prefill token + "
             f"{self.per_decode_token_s * 1e6:.4g} µs/decode token + "
-            f"{self.per_context_token_s * 1e9:.4g} ns/context token"
+            f"{self.per_context_token_s * 1e9:.4g} ns/context token + "
+            f"{self.per_attention_pair_s * 1e9:.4g} ns/attention pair"
             + (f" {self.single_token_step_s * 1e3:+.4g} ms for a one-token step" if self.single_token_step_s else ""),
         ]
         if self.fit:
@@ -154,6 +159,7 @@ class LinearCost:
                 source=str(d.get("source") or origin),
                 fit=dict(d.get("fit") or {}),
                 single_token_step_s=float(d.get("single_token_step_s") or 0.0),
+                per_attention_pair_s=float(d.get("per_attention_pair_s") or 0.0),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{origin}: not a linear cost model (missing or bad {e})") from None
@@ -198,12 +204,14 @@ class StepSample:
 
 
 # The fitted model's inputs, in the order of LinearCost.coefficients.
-FEATURES = ("intercept", "prefill tokens", "decode tokens", "context tokens", "one-token step")
+FEATURES = ("intercept", "prefill tokens", "decode tokens", "context tokens", "attention pairs", "one-token step")
+_ONE = FEATURES.index("one-token step")
+_NON_NEGATIVE = (1, 2, 3, 4)  # per-unit-of-work costs: more work never takes less time
 
 
 def features(shape: StepShape) -> tuple[float, ...]:
     return (1.0, float(shape.num_prefill_tokens), float(shape.num_decode_tokens), float(shape.context_tokens),
-            1.0 if shape.num_tokens == 1 else 0.0)
+            float(shape.attention_pairs), 1.0 if shape.num_tokens == 1 else 0.0)
 
 
 def fit_linear(samples: list[StepSample], source: str = "", relative: bool = True) -> LinearCost:
@@ -215,8 +223,8 @@ def fit_linear(samples: list[StepSample], source: str = "", relative: bool = Tru
 
     A column that is zero in every sample (e.g. no prefill was measured) cannot be fitted; its
     coefficient is set to 0 and a note says so, rather than letting lstsq's minimum-norm
-    answer pass for a measurement. A per-token or per-context coefficient that comes out
-    negative is noise (more work never takes less time): it is fixed at 0 and the rest refitted.
+    answer pass for a measurement. A per-token, per-context or per-pair coefficient that comes
+    out negative is noise (more work never takes less time): it is fixed at 0 and the rest refitted.
     """
     if len(samples) < 2:
         raise ValueError(f"calibration needs at least 2 measured steps, got {len(samples)}")
@@ -227,16 +235,16 @@ def fit_linear(samples: list[StepSample], source: str = "", relative: bool = Tru
     notes = [f"{FEATURES[j]}: no sample had any, coefficient set to 0" for j in range(1, ncol) if j not in active]
     # The one-token correction is a refinement: fitted only when the steps say something about it
     # beyond the other columns (not every step one token, and a sample to spare).
-    if 4 in active and (np.all(x[:, 4] == 1) or len(samples) < len(active)):
-        active.remove(4)
-        notes.append(f"{FEATURES[4]}: too few distinct steps to fit it, coefficient set to 0")
+    if _ONE in active and (np.all(x[:, _ONE] == 1) or len(samples) < len(active)):
+        active.remove(_ONE)
+        notes.append(f"{FEATURES[_ONE]}: too few distinct steps to fit it, coefficient set to 0")
     if len(samples) < len(active):
         raise ValueError(f"calibration needs at least {len(active)} measured steps for {len(active)} coefficients, "
                          f"got {len(samples)}")
     w = 1.0 / y if relative else np.ones_like(y)
     while True:
         coef_active, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
-        negative = [j for j, c in zip(active, coef_active) if j in (1, 2, 3) and c < 0]
+        negative = [j for j, c in zip(active, coef_active) if j in _NON_NEGATIVE and c < 0]
         if not negative:
             break
         for j in negative:
@@ -253,7 +261,7 @@ def fit_linear(samples: list[StepSample], source: str = "", relative: bool = Tru
            "max_rel_err": float(rel.max()), "median_rel_err": float(np.median(rel)),
            "weighting": "relative" if relative else "absolute", "notes": notes}
     return LinearCost(float(coef[0]), float(coef[1]), float(coef[2]), float(coef[3]), source=source, fit=fit,
-                      single_token_step_s=float(coef[4]))
+                      per_attention_pair_s=float(coef[4]), single_token_step_s=float(coef[_ONE]))
 
 
 def load_profile(path: str | Path) -> list[StepSample]:

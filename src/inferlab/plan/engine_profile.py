@@ -5,7 +5,10 @@ The workload (`ProfileSpec`), in order, each part starting once the last has dra
 
 1. lone prefills: one prompt of each length in `prefill_lens`, max_tokens=1, so each is one
    pure prefill step;
-2. ramps: `batch` prompts of `prompt_len` tokens admitted together — the token budget splits
+2. bursts: `n` prompts of `burst_len` tokens at once for each n in `bursts`, max_tokens=1 —
+   what a closed loop of n clients sends when it starts; several short prompts in one step
+   cost less per token than one long one (less attention, larger matrix products);
+3. ramps: `batch` prompts of `prompt_len` tokens admitted together — the token budget splits
    them over a few prefill steps, the later ones mixed with the first prompts' decodes — then
    decoding while the batch halves every `steps_per_level` steps (32, 16, 8, 4, 2, 1). Each
    time the batch shrinks, one fresh prompt of `inject_len` tokens joins for one step: a mixed
@@ -57,6 +60,8 @@ class ProfileSpec:
     """What `profile_engine` runs; see the module docstring."""
 
     prefill_lens: tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
+    bursts: tuple[int, ...] = (4, 8, 16)
+    burst_len: int = 128
     ramps: tuple[Ramp, ...] = (Ramp(32, 128), Ramp(16, 512))
     steps_per_level: int = 3
     inject_len: int = 64
@@ -64,22 +69,25 @@ class ProfileSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.prefill_lens and not self.ramps:
-            raise ValueError("a profile needs at least one prefill length or one ramp")
+        if not self.prefill_lens and not self.ramps and not self.bursts:
+            raise ValueError("a profile needs at least one prefill length, burst or ramp")
         if any(n < 1 for n in self.prefill_lens):
             raise ValueError(f"prefill lengths must be >= 1, got {self.prefill_lens}")
+        if any(n < 1 for n in self.bursts):
+            raise ValueError(f"burst sizes must be >= 1, got {self.bursts}")
         for r in self.ramps:
             if r.batch < 1 or r.prompt_len < 1:
                 raise ValueError(f"a ramp needs batch >= 1 and prompt length >= 1, got {r}")
-        for name in ("steps_per_level", "inject_len", "repeats"):
+        for name in ("steps_per_level", "inject_len", "repeats", "burst_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     @classmethod
     def sized(cls, max_batch: int = 32, max_prefill: int = 1024, **kw: Any) -> ProfileSpec:
         """The default shape scaled to a largest decode batch and a longest prompt: prefills of
-        32, 64, ... up to `max_prefill`; a ramp from `max_batch` at short prompts (128) and one
-        from half of it at half the longest prompt (the context-length dimension)."""
+        32, 64, ... up to `max_prefill`; bursts of 4, 8, ... up to half of `max_batch` short
+        prompts (128); a ramp from `max_batch` at short prompts and one from half of it at half
+        the longest prompt (the context-length dimension)."""
         if max_batch < 1 or max_prefill < 1:
             raise ValueError(f"profile sizes must be >= 1, got max batch {max_batch}, max prefill {max_prefill}")
         lens, n = [], 32
@@ -88,6 +96,12 @@ class ProfileSpec:
             n *= 2
         lens.append(max_prefill)
         short = min(128, max_prefill)
+        bursts, n = [], 4
+        while n <= max_batch // 2:
+            bursts.append(n)
+            n *= 2
+        kw.setdefault("bursts", tuple(bursts))
+        kw.setdefault("burst_len", short)
         ramps = [Ramp(max_batch, short)]
         if max_prefill // 2 > short:
             ramps.append(Ramp(max(max_batch // 2, 1), max_prefill // 2))
@@ -96,21 +110,21 @@ class ProfileSpec:
 
     @property
     def max_batch(self) -> int:
-        """Sequences running at once: the largest ramp plus its injected prompt."""
-        return max((r.batch + 1 for r in self.ramps), default=1)
+        """Sequences running at once: the largest ramp plus its injected prompt, or a burst."""
+        return max([r.batch + 1 for r in self.ramps] + list(self.bursts) + [1])
 
     @property
     def max_model_len(self) -> int:
         """The longest request: a ramp's prompt plus everything its first request decodes."""
-        need = [n + 1 for n in self.prefill_lens] + [self.inject_len + 1]
+        need = [n + 1 for n in self.prefill_lens] + [self.inject_len + 1, self.burst_len + 1]
         need += [r.prompt_len + r.max_tokens(0, self.steps_per_level) for r in self.ramps]
         return max(need)
 
     @property
     def total_prefill_tokens(self) -> int:
         """Prompt tokens the profile computes (most of its time on a CPU)."""
-        per = sum(self.prefill_lens) + sum(r.batch * r.prompt_len + self.inject_len * len(r.levels())
-                                           for r in self.ramps)
+        per = sum(self.prefill_lens) + self.burst_len * sum(self.bursts)
+        per += sum(r.batch * r.prompt_len + self.inject_len * len(r.levels()) for r in self.ramps)
         return per * self.repeats
 
 
@@ -185,7 +199,7 @@ def profile_engine(engine: Any, spec: ProfileSpec, log: Callable[[str], None] | 
     with StepRecorder(engine) as rec:
         # Warm-up, not recorded: first calls pay for allocations and kernel selection.
         rec.recording = False
-        add(min(16, spec.max_model_len - 2), 3)
+        add(min(16, spec.max_model_len - 3), 3)
         _drain(rec, engine)
         rec.recording = True
         for rep in range(spec.repeats):
@@ -194,6 +208,13 @@ def profile_engine(engine: Any, spec: ProfileSpec, log: Callable[[str], None] | 
                 _drain(rec, engine)
             say(f"profile {rep + 1}/{spec.repeats}: lone prefills of {', '.join(map(str, spec.prefill_lens))} "
                 f"tokens ({len(rec.samples)} steps so far)")
+            for n in spec.bursts:
+                for _ in range(n):
+                    add(spec.burst_len, 1)
+                _drain(rec, engine)
+            if spec.bursts:
+                say(f"profile {rep + 1}/{spec.repeats}: bursts of {', '.join(map(str, spec.bursts))} × "
+                    f"{spec.burst_len}-token prompts ({len(rec.samples)} steps so far)")
             for ramp in spec.ramps:
                 _run_ramp(rec, engine, ramp, spec, add)
                 say(f"profile {rep + 1}/{spec.repeats}: ramp of {ramp.batch} × {ramp.prompt_len}-token prompts "

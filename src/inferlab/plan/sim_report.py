@@ -70,7 +70,9 @@ def simulation_report(
         "dummy token ids; "
         + ("never EOS: every reply runs to its length" if workload.eos_probability == 0
            else f"EOS with probability {workload.eos_probability:g} per token"),
-        "no tokenization, HTTP or detokenization time: a token is seen when its step ends",
+        "no tokenization, HTTP or detokenization time: a token is seen when its step ends"
+        + (f"; a request reaches the scheduler {workload.request_latency_s * 1e3:g} ms after it is sent"
+           if workload.request_latency_s else ""),
     ]
     doc["simulation"] = {
         "kind": "simulated",

@@ -61,6 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ld.add_argument("--num-prompts", type=int, default=100, help="requests to simulate (default 100)")
     ld.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1 = Poisson)")
     ld.add_argument("--seed", type=int, default=0)
+    ld.add_argument("--request-latency-ms", type=float, default=0.0,
+                    help="from a client's send to the scheduler (HTTP, tokenization; default 0). Any value "
+                         "above 0 keeps a closed loop's replacement requests out of the step already running, "
+                         "as on a real server")
     ld.add_argument("--shared-prefix-len", type=int, default=0, help="prompt tokens every request shares")
     ld.add_argument("--eos-probability", type=float, default=0.0,
                     help="chance each sampled token is EOS (default 0: replies run to --output-len)")
@@ -145,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         num_prompts=args.num_prompts, input_len=input_len, output_len=output_len, request_rate=rate,
         burstiness=args.burstiness, max_concurrency=args.concurrency, shared_prefix_len=args.shared_prefix_len,
         vocab_size=model.vocab_size, eos_probability=args.eos_probability, seed=args.seed,
+        request_latency_s=args.request_latency_ms / 1000.0,
     )
     result = simulate(workload, sched_cfg, cache_cfg, num_blocks, cost)
     doc = simulation_report(

@@ -8,8 +8,12 @@ request, the times a real client would have seen its tokens arrive, in the bench
 
 Load follows the bench (`inferlab.bench.arrivals`): a closed loop of N clients
 (rate inf, max concurrency N), or Poisson/gamma arrivals at a rate, optionally capped.
-A request's send time is when it was released *and* a client slot was free; it waits in
-the scheduler from then, so TTFT includes queueing in the engine, as measured.
+A request's send time is when it was released *and* a client slot was free; it reaches the
+scheduler `request_latency_s` later (HTTP, tokenization) and waits there, so TTFT includes
+queueing in the engine, as measured. Why a latency at all: a real engine starts its next step
+the moment the last one ends, so a request sent when another finishes (a closed loop) is
+never in that next step, however fast the network; with 0 it would be, and at c clients the
+simulated prefill of the replacements lands one step early.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class SimWorkload:
     eos_token_id: int = 0
     eos_probability: float = 0.0  # per sampled token; 0 = every reply runs to output_len
     seed: int = 0
+    request_latency_s: float = 0.0  # from a client's send to the scheduler (HTTP, tokenization)
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1:
@@ -69,6 +74,8 @@ class SimWorkload:
             raise ValueError(f"EOS id {self.eos_token_id} is outside the vocabulary (0..{self.vocab_size - 1})")
         if not 0.0 <= self.eos_probability < 1.0:
             raise ValueError(f"EOS probability must be in [0, 1), got {self.eos_probability}")
+        if not (self.request_latency_s >= 0.0 and math.isfinite(self.request_latency_s)):
+            raise ValueError(f"request latency must be a finite number >= 0, got {self.request_latency_s}")
         LoadSpec(self.request_rate, self.burstiness, self.max_concurrency)  # validates the load
 
     @property
@@ -171,6 +178,8 @@ def simulate(
     slots: list[float] | None = None
     if workload.max_concurrency is not None:
         slots = [0.0] * workload.max_concurrency
+    # Sent but not yet at the scheduler: (arrival at the engine, index, request), a heap.
+    in_flight: list[tuple[float, int, Request]] = []
     steps: list[StepRecord] = []
     done = 0
     idle_steps = 0
@@ -178,7 +187,7 @@ def simulate(
     def release_due() -> None:
         while pending and releases[pending[0]] <= clock.now + 1e-12:
             if slots is not None and not slots:
-                return
+                break
             i = pending.popleft()
             send = float(releases[i])
             if slots is not None:
@@ -188,21 +197,33 @@ def simulate(
             trace = SimTrace(i, rid, workload.input_len, float(releases[i]), send_time=send)
             traces.append(trace)
             by_id[rid] = trace
-            sched.add_request(Request(
+            heapq.heappush(in_flight, (send + workload.request_latency_s, i, Request(
                 request_id=rid,
                 prompt_token_ids=prompt,
                 sampling_params=SamplingParams(max_tokens=workload.output_len, temperature=0.0),
                 eos_token_ids=(workload.eos_token_id,),
                 arrival_time=send,
-            ))
+            )))
+        while in_flight and in_flight[0][0] <= clock.now + 1e-12:
+            sched.add_request(heapq.heappop(in_flight)[2])
+
+    def next_event() -> float:
+        """When something can next arrive at an idle engine: a request in flight, or a release
+        (only while a client slot is free; else the releases wait for a finish)."""
+        times = [in_flight[0][0]] if in_flight else []
+        if pending and (slots is None or slots):
+            times.append(float(releases[pending[0]]))
+        if not times:  # pragma: no cover - an idle engine with nothing in flight has a free slot
+            raise AssertionError("the simulation has nothing left to wait for")
+        return min(times)
 
     for _ in range(max_steps):
         if done == workload.num_prompts:
             break
         release_due()
         if not sched.has_unfinished_requests():
-            # Idle: jump to the next release (a capped client slot is free, since nothing runs).
-            clock.now = max(clock.now, float(releases[pending[0]]))
+            # Idle: jump to the next arrival.
+            clock.now = max(clock.now, next_event())
             continue
         so = sched.schedule()
         if so.is_empty:
