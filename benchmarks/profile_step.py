@@ -2,12 +2,17 @@
 scheduling, and the Python around them. For a decode step at batch sizes 1 and 32 and a
 prefill step of a 512-token prompt.
 
-    .venv/bin/python benchmarks/profile_step.py [--model PATH] [--dtype auto] [--steps 10]
+    .venv/bin/python benchmarks/profile_step.py [--model PATH] [--dtype auto] [--weight-dtype auto] [--steps 10]
 
 Method: torch.profiler records every aten op's self time over --steps steps; ops are put in
 buckets by name; the scheduler, output processing and sampler are timed by wrapping them.
 "Python/other" is what remains of the step's wall time (the profiler's own few µs per op land here too): the runner's batch building, op
 dispatch, and everything no bucket names. Medians are per step.
+
+Each column also gets its roof, from this machine measured in the same run (`measure_cpu`:
+streaming read bandwidth, float32 matmul rate): a decode step cannot beat (weight bytes + the
+K/V bytes its sequences' contexts hold) / bandwidth, a prefill step 2 × parameters × tokens
+(+ attention's 2 × 2 × layers × heads × head dim per query-key pair) / FLOP rate.
 """
 
 from __future__ import annotations
@@ -22,10 +27,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from inferlab import LLM, SamplingParams
+from inferlab.plan.measure import measure_cpu
 
 BUCKETS = {
-    "matmul": ("aten::mm", "aten::addmm", "aten::linear", "aten::bmm", "aten::matmul", "mkl", "mkldnn"),
-    "attention": ("scaled_dot_product", "aten::index_copy_", "aten::index_select", "_flash_attention"),
+    "matmul": ("aten::mm", "aten::addmm", "aten::linear", "aten::bmm", "aten::matmul", "mkl", "mkldnn",
+               "inferlab::linear_"),
+    "attention": ("scaled_dot_product", "aten::index_copy_", "aten::index_select", "_flash_attention",
+                  "inferlab::paged_attention", "inferlab::rope_write_kv"),
 }
 
 
@@ -85,13 +93,53 @@ def profile_steps(llm: LLM, prompts: list[list[int]], max_tokens: int, steps: in
     return out
 
 
+def weight_bytes(model) -> int:
+    """Bytes of the linear layers' weights as stored (what a decode step reads once), plus the
+    lm_head when it is its own tensor; the embedding's few rows per step are left out."""
+    total = 0
+    for layer in model.layers:
+        for w in vars(layer).values():
+            total += int(getattr(w, "nbytes", 0) or 0)
+    head = getattr(model, "lm_head", None)
+    total += int(getattr(head, "nbytes", 0) or 0)
+    return total
+
+
+def roofs(llm: LLM, bandwidth: float, flops: float) -> tuple[dict[str, float], int]:
+    """Seconds per step at the machine's roof, per case of `main` (see the module docstring):
+    the larger of the bytes over the bandwidth and the FLOPs over the matmul rate (at 32
+    sequences the compute roof binds on this CPU). Also the weight bytes."""
+    mc = llm.engine.model_config
+    kv_elem = llm.engine.runner.kv_caches[0][0].element_size()
+    kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * kv_elem
+    wb = weight_bytes(llm.engine.runner.model)
+    layer_params = (mc.hidden_size * (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
+                    + mc.num_heads * mc.head_dim * mc.hidden_size + 3 * mc.hidden_size * mc.intermediate_size)
+    head_flops = 2 * mc.vocab_size * mc.hidden_size  # once per sampled token
+    attn_per_pair = 4 * mc.num_layers * mc.num_heads * mc.head_dim
+
+    def decode(batch: int, ctx: int) -> float:
+        memory = (wb + batch * ctx * kv_per_token) / bandwidth
+        compute = (batch * (2 * mc.num_layers * layer_params + head_flops) + attn_per_pair * batch * ctx) / flops
+        return max(memory, compute)
+
+    return {
+        "decode, batch 1 (ctx ~140)": decode(1, 160),
+        "decode, batch 32 (ctx ~280)": decode(32, 290),
+        "prefill, 512 tokens": (512 * 2 * mc.num_layers * layer_params + head_flops
+                                + attn_per_pair * 512 * 513 / 2) / flops,
+    }, wb
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--weight-dtype", default="auto")
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
-    llm = LLM(args.model, dtype=args.dtype, max_num_batched_tokens=2048, max_num_seqs=64)
+    llm = LLM(args.model, dtype=args.dtype, weight_dtype=args.weight_dtype, max_num_batched_tokens=2048,
+              max_num_seqs=64)
     vocab = llm.engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
 
@@ -103,8 +151,11 @@ def main() -> None:
         "decode, batch 32 (ctx ~280)": ([prompt(256) for _ in range(32)], 64, 6),
         "prefill, 512 tokens": ([prompt(512)], 1, 0),
     }
-    print(f"model {llm.engine.model_name}, dtype {llm.engine.runner.dtype}, threads {torch.get_num_threads()}, "
-          f"load avg {os.getloadavg()[0]:.2f}")
+    hw = measure_cpu(array_mib=512, repeats=5)
+    roof, wb = roofs(llm, hw.memory_bandwidth, hw.flops["fp32"])
+    print(f"model {llm.engine.model_name}, dtype {llm.engine.runner.dtype}, weights {wb / 1e6:.0f} MB as stored, "
+          f"threads {torch.get_num_threads()}, load avg {os.getloadavg()[0]:.2f}; measured here: "
+          f"{hw.memory_bandwidth / 1e9:.1f} GB/s read, {hw.flops['fp32'] / 1e9:.0f} GFLOP/s float32 matmul")
     results = {}
     for name, (prompts, max_tokens, skip) in cases.items():
         steps = 1 if max_tokens == 1 else args.steps
@@ -115,6 +166,8 @@ def main() -> None:
     print(f"{'ms per step':<24}" + "".join(f"{n:>30}" for n in results))
     for k in keys:
         print(f"{k:<24}" + "".join(f"{r.get(k, 0.0) * 1000:>30.2f}" for r in results.values()))
+    print(f"{'roof (see docstring)':<24}" + "".join(f"{roof[n] * 1000:>30.2f}" for n in results))
+    print(f"{'% of roof':<24}" + "".join(f"{100 * roof[n] / r['step total']:>29.0f}%" for n, r in results.items()))
 
 
 if __name__ == "__main__":

@@ -64,11 +64,15 @@ def test_greedy_chat_matches_transformers(llm, reference, capsys):
         print("\nSmolLM2 float32 vs transformers:", "; ".join(report))
 
 
-def test_bf16_agrees_with_float32(llm, capsys):
-    """bfloat16 (the default where the CPU has native bf16) agrees with float32 for the first
-    16 tokens, or first differs where float32's top two tokens were within 0.25 nats (a
-    near-tie at bf16's ~3 significant digits). Prints how often and where they part."""
-    fast = LLM(None, dtype="bfloat16", max_model_len=512)
+@pytest.mark.parametrize("kw", [{"dtype": "bfloat16"}, {"dtype": "auto"}], ids=["bf16", "default"])
+def test_fast_dtypes_agree_with_float32(llm, kw, capsys):
+    """bfloat16 compute (the default where the CPU has native bf16) and the default settings
+    (float16 weights under float32 compute on an AVX2 CPU) agree with float32 for the first 16
+    tokens, or first differ where float32's top two tokens were within 0.25 nats (a near-tie
+    at 16 bits' ~3 significant digits). Prints how often and where they part."""
+    fast = LLM(None, max_model_len=512, **kw)
+    runner = fast.engine.runner
+    label = f"compute {str(runner.dtype).removeprefix('torch.')}, weights {str(runner.weight_dtype).removeprefix('torch.')}"
     tok = llm.get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     report = []
@@ -83,9 +87,9 @@ def test_bf16_agrees_with_float32(llm, capsys):
         chosen, top = ref.logprobs[i]
         gap = top[0].logprob - top[1].logprob
         report.append(f"{text[:30]!r}: parts at token {i}, float32 margin {gap:.3f} nats")
-        assert gap < 0.25, f"{text!r}: bf16 differs at token {i} where float32's margin is {gap:.3f} nats"
+        assert gap < 0.25, f"{text!r}: {label} differs at token {i} where float32's margin is {gap:.3f} nats"
     with capsys.disabled():
-        print("\nbf16 vs float32:", "; ".join(report))
+        print(f"\n{label} vs float32:", "; ".join(report))
 
 
 def test_chat_reply_is_sensible(llm):

@@ -51,13 +51,20 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
 
 
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+
+
 @dataclass(frozen=True)
 class LoadConfig:
     """Where the weights come from and in what precision they run."""
 
     model: str | None = None  # None = the default model; else a path (GGUF file / HF dir) or a hub id
     load_format: str = "auto"  # "auto" | "gguf" | "hf" | "dummy"
-    dtype: str = "auto"  # "auto" (bfloat16 on CPU) | "float32" | "bfloat16" | "float16"
+    dtype: str = "auto"  # compute dtype: "auto" (bfloat16 where the CPU computes in it, else float32) | ...
+    # Storage of the linear layers' weights, read once per decode step (the bandwidth that bounds
+    # decode): "auto" (16-bit on a float32 CPU when our kernels load, else as dtype) | "float32" |
+    # "bfloat16" | "float16" | "int8" (weight-only, per-output-channel scales).
+    weight_dtype: str = "auto"
     seed: int = 0  # seeds dummy weights and the global sampler generator
     device: str = "cpu"
     # Overrides for a dummy model's config: path to a config.json (dummy weights of a real shape).
@@ -68,6 +75,8 @@ class LoadConfig:
             raise ValueError(f"load_format must be auto, gguf, hf or dummy, not {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, not {self.weight_dtype!r}")
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,15 @@ import torch
 from inferlab.config import CacheConfig, LoadConfig, ModelConfig
 from inferlab.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from inferlab.engine.sampler import Sampler
-from inferlab.models.attention import AttentionMetadata, BatchGroup, allocate_kv_cache
+from inferlab.models.attention import (
+    AttentionMetadata,
+    BatchGroup,
+    allocate_kv_cache,
+    decode_kernel_enabled,
+    padded_slots_and_mask,
+)
 from inferlab.models.decoder import DecoderModel
-from inferlab.models.loader import resolve_dtype
+from inferlab.models.loader import resolve_dtype, resolve_weight_dtype
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB on the CPU when nothing else is said
 
@@ -45,7 +51,8 @@ class ModelRunner:
         self.model_config = model_config
         self.dtype = resolve_dtype(load_config.dtype, load_config.device)
         self.block_size = cache_config.block_size
-        self.model = DecoderModel(model_config, weights, self.dtype)
+        self.weight_dtype = resolve_weight_dtype(load_config)  # how the linear layers' weights are stored
+        self.model = DecoderModel(model_config, weights, self.dtype, weight_dtype=self.weight_dtype)
         self.num_blocks = num_kv_blocks(model_config, cache_config, self.dtype)
         self.kv_caches = allocate_kv_cache(
             model_config.num_layers,
@@ -80,14 +87,12 @@ class ModelRunner:
         self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        for s in decodes:
-            p = s.start_pos
-            ids.append(s.token_ids[0])
-            pos.append(p)
-            slots.append(s.block_ids[p // bs] * bs + p % bs)
+        nd = len(decodes)
+        # Decodes (every step, batch 32-64): one comprehension per list, no per-request tensors.
+        ids = [s.token_ids[0] for s in decodes]
+        pos = [s.start_pos for s in decodes]
+        slots = [s.block_ids[p // bs] * bs + p % bs for s, p in zip(decodes, pos)]
+        decode_lens = [p + 1 for p in pos]  # the new token is written before it attends
         for s in prefills:
             n = len(s.token_ids)
             ids.extend(s.token_ids)
@@ -95,15 +100,14 @@ class ModelRunner:
             table = s.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in range(s.start_pos, s.start_pos + n))
         t = len(ids)
-        input_ids = torch.tensor(ids, dtype=torch.long)
-        positions = torch.tensor(pos, dtype=torch.long)
-        slot_mapping = torch.tensor(slots, dtype=torch.long)
+        # One conversion for the three lists (each torch.tensor call has a fixed cost).
+        flat = torch.tensor([ids, pos, slots], dtype=torch.long)
+        input_ids, positions, slot_mapping = flat[0], flat[1], flat[2]
 
-        nd = len(decodes)
         decode_group = None
         if decodes:
-            lens = [s.start_pos + 1 for s in decodes]
-            decode_group = self._group(decodes, lens, [1] * nd, [s.start_pos for s in decodes])
+            paged = decode_kernel_enabled(self.kv_caches[0][0].dtype)
+            decode_group = self._group(decodes, decode_lens, [1] * nd, pos[:nd], paged=paged)
         fresh = len(prefills) == 1 and prefills[0].start_pos == 0
         prefill_group = None
         if prefills and not fresh:
@@ -123,33 +127,40 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping, nd, decode_group, prefill_group, prefill_is_fresh=fresh)
 
         # Rows whose last position samples, in decodes-then-prefills order.
-        sample_index: list[int] = []
-        off = 0
-        for s in decodes + prefills:
+        sample_index = [i for i, s in enumerate(decodes) if s.sample]
+        off = nd
+        for s in prefills:
             off += len(s.token_ids)
             if s.sample:
                 sample_index.append(off - 1)
         return input_ids, positions, meta, torch.tensor(sample_index, dtype=torch.long)
 
     def _group(
-        self, reqs: list[ScheduledRequest], ctx_lens: list[int], q_lens: list[int], starts: list[int]
+        self,
+        reqs: list[ScheduledRequest],
+        ctx_lens: list[int],
+        q_lens: list[int],
+        starts: list[int],
+        paged: bool = False,
     ) -> BatchGroup:
-        """Padded slot table and mask for requests attended in one call.
+        """Requests attended in one call: block tables and context lengths for the paged decode
+        kernel (`paged`), else the padded slot table and mask for SDPA.
 
         Query i of request b sits at position starts[b] + i and may see context positions
         0 .. starts[b] + i; positions past ctx_lens[b] are padding.
         """
         bs = self.block_size
-        b = len(reqs)
-        lmax = max(ctx_lens)
-        nblk = (lmax + bs - 1) // bs
-        table = torch.zeros(b, nblk, dtype=torch.long)
-        for i, s in enumerate(reqs):
-            need = (ctx_lens[i] + bs - 1) // bs
-            table[i, :need] = torch.tensor(s.block_ids[:need], dtype=torch.long)
-        slots = (table.unsqueeze(2) * bs + torch.arange(bs)).view(b, nblk * bs)[:, :lmax]
-        qmax = max(q_lens)
-        key_pos = torch.arange(lmax).view(1, 1, lmax)
-        q_pos = torch.tensor(starts).view(b, 1, 1) + torch.arange(qmax).view(1, qmax, 1)
-        mask = key_pos <= q_pos  # causal; also hides padding since ctx_len = start + q_len
-        return BatchGroup(slots=slots.contiguous(), mask=mask.unsqueeze(1))
+        need = [(n + bs - 1) // bs for n in ctx_lens]
+        nblk = max(need)
+        # Zero-padded rows of each request's first `need` blocks, in one tensor conversion.
+        rows = [s.block_ids[:k] + [0] * (nblk - k) for s, k in zip(reqs, need)]
+        if paged:
+            return BatchGroup(
+                block_tables=torch.tensor(rows, dtype=torch.int32),
+                context_lens=torch.tensor(ctx_lens, dtype=torch.int32),
+                block_size=bs,
+            )
+        slots, mask = padded_slots_and_mask(
+            torch.tensor(rows, dtype=torch.long), bs, torch.tensor(starts, dtype=torch.long), max(q_lens), max(ctx_lens)
+        )
+        return BatchGroup(slots=slots, mask=mask)

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from inferlab.config import WEIGHT_DTYPES
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=None, help="GGUF file, HF directory or hub id (default: SmolLM2-135M-Instruct)")
@@ -27,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", type=int, default=1, help="number of replies")
     p.add_argument("--logprobs", type=int, default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--weight-dtype", default="auto", choices=list(WEIGHT_DTYPES),
+                   help="how the linear layers' weights are stored (auto: float16 when --dtype auto computes "
+                        "in float32 on the CPU and our kernels load, else as --dtype)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--load-format", default="auto", choices=["auto", "gguf", "hf", "dummy"])
     p.add_argument("--json", action="store_true", help="print text, token ids, finish reason, usage and timings as JSON")
@@ -73,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
         args.prompt = "In one sentence, why might a parcel arrive a day late?"
     from inferlab.entrypoints.llm import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, load_format=args.load_format)
+    llm = LLM(args.model, dtype=args.dtype, weight_dtype=args.weight_dtype, max_model_len=args.max_model_len,
+              load_format=args.load_format)
     if messages is not None:
         out = llm.chat(messages, params)[0]
     elif args.raw:

@@ -17,6 +17,9 @@ class LLM:
 
     model: None (the default SmolLM2-135M-Instruct), a GGUF file, a Hugging Face directory,
     or a hub id. dtype "auto" is bfloat16 where the CPU computes in it natively, else float32.
+    weight_dtype is how the linear layers' weights are stored: "auto" is float16 when dtype
+    "auto" resolved to float32 on the CPU and our kernels load (half the bytes a decode step
+    reads), else the compute dtype; or "float32" | "bfloat16" | "float16" | "int8".
     """
 
     def __init__(
@@ -24,6 +27,7 @@ class LLM:
         model: str | None = None,
         *,
         dtype: str = "auto",
+        weight_dtype: str = "auto",
         load_format: str = "auto",
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
@@ -39,7 +43,14 @@ class LLM:
         hf_config_path: str | None = None,
     ):
         config = EngineConfig(
-            load=LoadConfig(model=model, load_format=load_format, dtype=dtype, seed=seed, hf_config_path=hf_config_path),
+            load=LoadConfig(
+                model=model,
+                load_format=load_format,
+                dtype=dtype,
+                weight_dtype=weight_dtype,
+                seed=seed,
+                hf_config_path=hf_config_path,
+            ),
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=kv_cache_memory,

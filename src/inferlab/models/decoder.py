@@ -4,39 +4,63 @@ Prefill and decode are the same forward pass: a flat list of tokens with per-tok
 attention reads and writes the paged cache (see attention.py). Weights arrive with Hugging
 Face names (the loaders' contract) and are fused here: q/k/v into one matrix and gate/up into
 another, so a layer is 4 matrix products instead of 7 (fewer dispatches, bigger products).
+The linear layers may store their weights in fewer bits than they compute in (16-bit or int8,
+kernels/linear.py): a decode step's time is the time to read the weights.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from inferlab.config import ModelConfig
+from inferlab.kernels import build as kernels_build
+from inferlab.kernels.linear import DenseLinear, WeightOnlyLinear, make_linear
 from inferlab.models.attention import AttentionMetadata, paged_attention
 from inferlab.models.rope import apply_rope, rope_cache
+
+log = logging.getLogger(__name__)
+
+# Tests set this to False to run the plain-operator forward while the kernels are built.
+USE_FUSED_OPS = True
+
+Linear = DenseLinear | WeightOnlyLinear
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(H + 2 kvH) * D, hidden]
-    qkv_bias: torch.Tensor | None
+    qkv: Linear  # [(H + 2 kvH) * D, hidden], with the q/k/v bias when the model has one
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: torch.Tensor
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: Linear  # [2 * intermediate, hidden]
+    down: Linear
 
 
 class DecoderModel:
-    """Weights plus a forward pass; no nn.Module machinery (nothing here is trained)."""
+    """Weights plus a forward pass; no nn.Module machinery (nothing here is trained).
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype):
+    `dtype` is the compute dtype (activations, norms, KV cache). `weight_dtype` is how the
+    linear layers' weights (and the embedding table) are stored: None or `dtype` keeps them as
+    they are (F.linear); float16 / bfloat16 / torch.int8 stores them in fewer bytes, multiplied
+    by kernels/linear.py's WeightOnlyLinear (see loader.resolve_weight_dtype for "auto").
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        weight_dtype: torch.dtype | None = None,
+    ):
         self.config = config
         self.dtype = dtype
+        self.weight_dtype = dtype if weight_dtype is None else weight_dtype
         c = config
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
@@ -47,10 +71,15 @@ class DecoderModel:
                 raise ValueError(f"the checkpoint has no tensor {name!r}")
             return weights[name].to(dtype).contiguous()
 
-        self.embed = take("model.embed_tokens.weight")
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+            return make_linear(weight, bias, self.weight_dtype, dtype)
+
+        # The embedding table is stored like the lm_head: a lookup dequantizes only the T rows it
+        # gathers, and a tied lm_head then shares the one table (113 MB at float32 for SmolLM2).
+        self.embed = linear(take("model.embed_tokens.weight"))
         self.final_norm = take("model.norm.weight")
         if "lm_head.weight" in weights and not c.tie_word_embeddings:
-            self.lm_head = take("lm_head.weight")
+            self.lm_head = linear(take("lm_head.weight"))
         else:
             self.lm_head = self.embed
         self.layers: list[LayerWeights] = []
@@ -63,19 +92,48 @@ class DecoderModel:
             self.layers.append(
                 LayerWeights(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=torch.cat([take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")]),
-                    qkv_bias=bias,
+                    qkv=linear(
+                        torch.cat([take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")]),
+                        bias,
+                    ),
                     q_norm=take(a + "q_norm.weight") if c.qk_norm else None,
                     k_norm=take(a + "k_norm.weight") if c.qk_norm else None,
-                    o=take(a + "o_proj.weight"),
+                    o=linear(take(a + "o_proj.weight")),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
-                    down=take(p + "mlp.down_proj.weight"),
+                    gate_up=linear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
+                    down=linear(take(p + "mlp.down_proj.weight")),
                 )
             )
         self.cos, self.sin = rope_cache(
             c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings, dtype
         )
+        # The fused layer (kernels/csrc/fused.cpp) is float32-on-CPU only, and rotates q and k
+        # straight after the qkv product, which a per-head q/k norm (Qwen3) would have to precede.
+        self.fused_ok = dtype == torch.float32 and self.final_norm.device.type == "cpu" and not c.qk_norm
+        log.info("%s", self.describe_precision())
+
+    def describe_precision(self) -> str:
+        """One line for the load log: how weights are stored, what multiplies them, compute dtype."""
+        wd, cd = _dtype_name(self.weight_dtype), _dtype_name(self.dtype)
+        e = self.embed
+        if isinstance(e, DenseLinear):
+            how = "F.linear"
+        elif e.use_kernels and self.dtype == torch.float32 and e.weight.device.type == "cpu":
+            how = "our AVX2 kernels"
+        else:
+            why = (kernels_build.unavailable_reason() or "kernels off") if not e.use_kernels else f"{cd} activations"
+            how = f"plain torch, dequantized per call: {why}"
+        return f"weights {wd} ({how}), compute {cd}, {self.weight_nbytes / 1e6:.1f} MB of weights"
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes of every weight the model holds (linears, embedding, norms)."""
+        linears: list[Linear] = [self.embed] + ([self.lm_head] if self.lm_head is not self.embed else [])
+        norms = [self.final_norm]
+        for layer in self.layers:
+            linears += [layer.qkv, layer.o, layer.gate_up, layer.down]
+            norms += [t for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm) if t is not None]
+        return sum(lin.nbytes for lin in linears) + sum(t.numel() * t.element_size() for t in norms)
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), w, self.config.rms_norm_eps)
@@ -88,14 +146,16 @@ class DecoderModel:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
+        if USE_FUSED_OPS and self.fused_ok and kernels_build.available():
+            return self._forward_fused(input_ids, positions, kv_caches, meta)
         c = self.config
         t = input_ids.shape[0]
-        x = self.embed.index_select(0, input_ids)
+        x = self.embed.rows(input_ids)
         cos = self.cos.index_select(0, positions).unsqueeze(1)
         sin = self.sin.index_select(0, positions).unsqueeze(1)
         for layer, cache in zip(self.layers, kv_caches):
             h = self._norm(x, layer.input_norm)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(h)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.reshape(t, c.num_heads, c.head_dim)
             k = k.reshape(t, c.num_kv_heads, c.head_dim)
@@ -106,12 +166,45 @@ class DecoderModel:
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
             attn = paged_attention(q, k, v, cache, meta, self.scale)
-            x = x + F.linear(attn, layer.o)
+            x = x + layer.o(attn)
             h = self._norm(x, layer.post_norm)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
         return self._norm(x, self.final_norm)
+
+    def _forward_fused(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """`forward` with ~9 operators per layer instead of ~25: at one decode token the
+        dispatch of each eager operator costs more than its arithmetic. The residual stream x
+        is updated in place: each layer's output is added by the next norm (add_rms_norm_)."""
+        c = self.config
+        ops = torch.ops.inferlab
+        eps = c.rms_norm_eps
+        t = input_ids.shape[0]
+        x = self.embed.rows(input_ids).contiguous()  # a fresh tensor: safe to update in place
+        delta: torch.Tensor | None = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            h = self._norm(x, layer.input_norm) if delta is None else ops.add_rms_norm_(x, delta, layer.input_norm, eps)
+            qkv = layer.qkv(h)
+            q, k = ops.rope_write_kv(qkv, positions, self.cos, self.sin, k_cache, v_cache, meta.slot_mapping,
+                                     c.num_heads, c.num_kv_heads, c.head_dim)
+            v = qkv[:, self.q_size + self.kv_size :].view(t, c.num_kv_heads, c.head_dim)  # fresh prompts read it
+            attn = paged_attention(q, k, v, (k_cache, v_cache), meta, self.scale, kv_written=True)
+            h = ops.add_rms_norm_(x, layer.o(attn), layer.post_norm, eps)
+            delta = layer.down(ops.silu_mul(layer.gate_up(h)))
+        if delta is None:  # pragma: no cover - a model has layers
+            return self._norm(x, self.final_norm)
+        return ops.add_rms_norm_(x, delta, self.final_norm, eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the given hidden rows."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

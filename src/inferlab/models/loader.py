@@ -12,13 +12,14 @@ from typing import Callable
 import torch
 
 from inferlab.config import LoadConfig
+from inferlab.kernels import build as kernels_build
 from inferlab.models.dummy_loader import load_dummy
 from inferlab.models.gguf_loader import load_gguf
 from inferlab.models.hf_loader import load_hf_dir
 from inferlab.models.loaded import LoadedModel
 from inferlab.models.registry import detect_format, resolve_model
 
-__all__ = ["LOADERS", "LoadedModel", "load_model", "resolve_dtype"]
+__all__ = ["LOADERS", "LoadedModel", "load_model", "resolve_dtype", "resolve_weight_dtype"]
 
 # format -> loader(path, dtype, name)
 LOADERS: dict[str, Callable[[Path, torch.dtype, str], LoadedModel]] = {
@@ -42,6 +43,42 @@ def resolve_dtype(dtype: str, device: str | torch.device = "cpu") -> torch.dtype
     if torch.device(device).type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+_WEIGHT_DTYPES = {**_DTYPES, "int8": torch.int8}
+
+
+def resolve_weight_dtype(load_config: LoadConfig) -> torch.dtype:
+    """LoadConfig.weight_dtype -> the dtype the linear layers' weights are stored in
+    (torch.int8: weight-only int8 with one scale per output row; see kernels/linear.py).
+
+    "auto": float16 when the compute dtype is float32 on the CPU only because dtype was "auto"
+    (an AVX2 CPU without native bf16) and our kernels load: a decode step reads every weight
+    once, and 16 bits are half the bytes, while float16 keeps 3 more mantissa bits than
+    bfloat16 (weights sit well inside its range). Otherwise the compute dtype, so an explicit
+    dtype="float32" (the exact-match tests) still gets float32 weights, and without the kernels
+    nothing is slower than before. Weights are never stored wider than they are computed in."""
+    compute = resolve_dtype(load_config.dtype, load_config.device)
+    if load_config.weight_dtype == "auto":
+        if (
+            load_config.dtype == "auto"
+            and compute == torch.float32
+            and torch.device(load_config.device).type == "cpu"
+            and kernels_build.available()
+        ):
+            return torch.float16
+        return compute
+    if load_config.weight_dtype not in _WEIGHT_DTYPES:
+        raise ValueError(
+            f"weight_dtype must be auto, {', '.join(_WEIGHT_DTYPES)}, not {load_config.weight_dtype!r}"
+        )
+    stored = _WEIGHT_DTYPES[load_config.weight_dtype]
+    if stored.itemsize > compute.itemsize:
+        raise ValueError(
+            f"weight_dtype {load_config.weight_dtype} is wider than the compute dtype "
+            f"{str(compute).removeprefix('torch.')}: store weights in the compute dtype or in fewer bits"
+        )
+    return stored
 
 
 def cpu_has_native_bf16() -> bool:

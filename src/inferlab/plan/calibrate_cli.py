@@ -21,6 +21,7 @@ import numpy as np
 
 from inferlab.plan.cost_model import LinearCost, StepSample, fit_linear, save_cost_model, write_profile
 from inferlab.plan.engine_profile import ProfileSpec, overhead_summary, profile_engine, step_kind
+from inferlab.plan.precision import parse_precision
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,8 +35,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="longest prompt profiled in one step (default 1024)")
     g.add_argument("--profile-repeats", type=int, default=1, help="run the profiling workload this many times")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="the engine's compute precision (default auto, as `inferlab serve`)")
+                   help="the engine's compute precision (default auto, as `inferlab serve`); its weights' "
+                        "storage is --weight-dtype (fp32, bf16, fp16 or int8; default auto, as serve)")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores, as serve)")
+
+
+# The planner's weight precisions the engine can store its linear layers' weights in.
+_ENGINE_WEIGHT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "int8": "int8"}
+
+
+def engine_weight_dtype(args: argparse.Namespace) -> str:
+    """The simulate command's --weight-dtype (the planner's weight precision, shared with the
+    roofline so a calibration and a simulation describe the same engine) as the engine's
+    LoadConfig.weight_dtype; not given = "auto", as `inferlab serve`."""
+    name = getattr(args, "weight_dtype", None)
+    if name is None:
+        return "auto"
+    key = parse_precision(name).name
+    if key not in _ENGINE_WEIGHT_DTYPES:
+        raise ValueError(
+            f"--calibrate-engine runs our engine, which stores weights as fp32, bf16, fp16 or int8, not {name!r}"
+        )
+    return _ENGINE_WEIGHT_DTYPES[key]
 
 
 def spec_from_args(args: argparse.Namespace) -> ProfileSpec:
@@ -53,11 +74,13 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     from inferlab.entrypoints.llm import LLM  # torch, only here
 
     log(f"loading {args.model or 'the default model'} ...")
-    llm = LLM(args.model, dtype=args.dtype, num_threads=args.num_threads, max_num_seqs=spec.max_batch,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=spec.max_model_len,
+    llm = LLM(args.model, dtype=args.dtype, weight_dtype=engine_weight_dtype(args), num_threads=args.num_threads,
+              max_num_seqs=spec.max_batch, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=spec.max_model_len,
               block_size=args.block_size, enable_prefix_caching=False, seed=args.seed)
     engine = llm.engine
-    log(f"profiling {engine.model_name} ({engine.runner.dtype}, {_threads()} threads): "
+    log(f"profiling {engine.model_name} ({engine.runner.dtype}, weights {engine.runner.weight_dtype}, "
+        f"{_threads()} threads): "
         f"{spec.total_prefill_tokens} prompt tokens, decode batches up to {max(r.batch for r in spec.ramps)}")
     t0 = time.perf_counter()
     samples = profile_engine(engine, spec, log=log)
@@ -65,6 +88,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     meta = {
         "model": engine.model_name,
         "dtype": str(engine.runner.dtype).removeprefix("torch."),
+        "weight_dtype": str(engine.runner.weight_dtype).removeprefix("torch."),
         "threads": _threads(),
         "machine": platform.machine(),
         "max_num_batched_tokens": engine.scheduler_config.max_num_batched_tokens,

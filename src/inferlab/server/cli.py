@@ -18,6 +18,8 @@ import signal
 import sys
 import threading
 
+from inferlab.config import WEIGHT_DTYPES
+
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
@@ -50,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn off reuse of cached prompt prefixes")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--weight-dtype", default="auto", choices=list(WEIGHT_DTYPES),
+                   help="how the linear layers' weights are stored (auto: float16 when --dtype auto computes "
+                        "in float32 on the CPU and our kernels load, else as --dtype)")
     p.add_argument("--load-format", default="auto", choices=["auto", "gguf", "hf", "dummy"])
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on inference routes (or set INFERLAB_API_KEY)")
@@ -73,7 +78,8 @@ def _engine_config(args: argparse.Namespace):
         if getattr(args, name) is not None:
             sched[name] = getattr(args, name)
     return EngineConfig(
-        load=LoadConfig(model=args.model, load_format=args.load_format, dtype=args.dtype),
+        load=LoadConfig(model=args.model, load_format=args.load_format, dtype=args.dtype,
+                        weight_dtype=args.weight_dtype),
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory,

@@ -1,0 +1,1 @@
+"""Our CPU kernels (C++, compiled on first use): see build.py for how and when."""

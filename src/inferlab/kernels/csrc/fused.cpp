@@ -1,0 +1,154 @@
+// Small fused operators for the decoder layer: each replaces several eager torch operators
+// (and their dispatch, which dominates a small decode step on a CPU) with one pass over memory.
+//
+//   add_rms_norm_(x, residual, weight, eps) -> out     x += residual; out = rms_norm(x) * weight
+//   rope_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slots, H, kvH, D) -> (q, k)
+//       rotate q and k of each token (rotate-half layout), write k and v into the paged cache
+//       at `slots` ([kvH, num_slots, D] caches), return the rotated q [T, H, D] and k [T, kvH, D]
+//       (a fresh prompt attends to its own k and v without reading the cache back)
+//   silu_mul(x) -> out                                 x = [gate | up] -> silu(gate) * up
+//
+// float32 only: the callers use them on the float32 compute path and fall back to torch
+// operators otherwise.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+#include <tuple>
+
+namespace {
+
+void check_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+at::Tensor add_rms_norm_(at::Tensor x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_f32(x, "x");
+  check_f32(residual, "residual");
+  check_f32(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes(), "x and residual must be the same [T, hidden]");
+  const int64_t t = x.size(0), n = x.size(1);
+  TORCH_CHECK(weight.numel() == n, "weight must have ", n, " elements");
+  at::Tensor out = at::empty_like(x);
+  float* xp = x.data_ptr<float>();
+  const float* rp = residual.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* xr = xp + i * n;
+      const float* rr = rp + i * n;
+      float ss = 0.f;
+      for (int64_t j = 0; j < n; ++j) {
+        const float v = xr[j] + rr[j];
+        xr[j] = v;
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + feps);
+      float* orow = op + i * n;
+      for (int64_t j = 0; j < n; ++j) orow[j] = xr[j] * inv * wp[j];
+    }
+  });
+  return out;
+}
+
+// out[j] = x[j] * c[j] + rot(x)[j] * s[j], rot(x) = [-x2, x1] (Hugging Face's rotate-half).
+inline void rope_row(const float* x, const float* c, const float* s, float* out, int64_t d) {
+  const int64_t h = d / 2;
+  for (int64_t j = 0; j < h; ++j) out[j] = x[j] * c[j] - x[j + h] * s[j];
+  for (int64_t j = h; j < d; ++j) out[j] = x[j] * c[j] + x[j - h] * s[j];
+}
+
+std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                         const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+  check_f32(qkv, "qkv");
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  check_f32(k_cache, "k_cache");
+  check_f32(v_cache, "v_cache");
+  TORCH_CHECK(head_dim % 2 == 0, "head_dim must be even");
+  const int64_t t = qkv.size(0);
+  const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == width, "qkv must be [T, (H + 2 kvH) * D]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == t, "positions must be [T] int64");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == t, "slots must be [T] int64");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == head_dim && sin.sizes() == cos.sizes(), "cos/sin must be [P, D]");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(0) == num_kv_heads && k_cache.size(2) == head_dim &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "caches must be [kvH, num_slots, D]");
+  const at::Tensor pos = positions.contiguous(), sl = slots.contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  const int64_t max_pos = cos.size(0), num_slots = k_cache.size(1);
+  for (int64_t i = 0; i < t; ++i) {
+    TORCH_CHECK(pp[i] >= 0 && pp[i] < max_pos, "position ", pp[i], " outside the rope table (", max_pos, ")");
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "slot ", sp[i], " outside the cache (", num_slots, ")");
+  }
+  at::Tensor q = at::empty({t, num_heads, head_dim}, qkv.options());
+  at::Tensor k = at::empty({t, num_kv_heads, head_dim}, qkv.options());
+  const float* in = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* snp = sin.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* kp = k.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t d = head_dim;
+  at::parallel_for(0, t, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* row = in + i * width;
+      const float* c = cp + pp[i] * d;
+      const float* s = snp + pp[i] * d;
+      for (int64_t h = 0; h < num_heads; ++h) rope_row(row + h * d, c, s, qp + (i * num_heads + h) * d, d);
+      const float* krow = row + num_heads * d;
+      const float* vrow = krow + num_kv_heads * d;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const int64_t off = (h * num_slots + sp[i]) * d;
+        float* kout = kp + (i * num_kv_heads + h) * d;
+        rope_row(krow + h * d, c, s, kout, d);
+        std::memcpy(kc + off, kout, sizeof(float) * d);
+        std::memcpy(vc + off, vrow + h * d, sizeof(float) * d);
+      }
+    }
+  });
+  return {q, k};
+}
+
+inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+
+at::Tensor silu_mul(const at::Tensor& x) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "x must be [M, 2 * I]");
+  const int64_t m = x.size(0), n = x.size(1) / 2;
+  at::Tensor out = at::empty({m, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, m * n, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t i = k / n, j = k % n;
+      const float* row = xp + i * 2 * n;
+      op[k] = silu(row[j]) * row[n + j];
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(inferlab, m) {
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor residual, Tensor weight, float eps) -> Tensor");
+  m.def("rope_write_kv(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor slots, int num_heads, int num_kv_heads, int head_dim) -> (Tensor, Tensor)");
+  m.def("silu_mul(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(inferlab, CPU, m) {
+  m.impl("add_rms_norm_", &add_rms_norm_);
+  m.impl("rope_write_kv", &rope_write_kv);
+  m.impl("silu_mul", &silu_mul);
+}

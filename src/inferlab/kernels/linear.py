@@ -1,0 +1,167 @@
+"""Linear layers whose weights are stored in fewer bits than they are multiplied in.
+
+A decode step reads every weight once for a few rows of activations, so its time is the time
+to read the weights: `WeightOnlyLinear` keeps them in float16 / bfloat16 (half of float32's
+bytes) or int8 with one float32 scale per output row (a quarter), and multiplies in the
+activations' dtype (float32 on a CPU without fast 16-bit arithmetic). Our C++ kernels
+(csrc/linear.cpp) convert the weights in registers, so they are read from memory once per call;
+without the kernels (`build.available()` False, or activations not float32 on the CPU) the same
+math runs in plain torch: dequantize, then `F.linear`.
+
+`DenseLinear` is the other implementation of the same small interface (`__call__`, `rows`,
+`nbytes`): the weight in the compute dtype and `F.linear`, exactly as before weight-only storage.
+`make_linear` picks one of the two.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from inferlab.kernels import build
+
+__all__ = ["DenseLinear", "WeightOnlyLinear", "make_linear", "quantize_int8", "STORED_DTYPES"]
+
+# The storage dtypes WeightOnlyLinear takes; torch.int8 means symmetric per-output-row scales.
+STORED_DTYPES = (torch.float16, torch.bfloat16, torch.int8)
+
+# From this many rows of x on, the kernels hand float32 tiles of the weight to torch's GEMM
+# (compute-bound there) instead of running our micro-kernel. Measured on one core of this AVX2
+# EPYC with SmolLM2-135M's shapes: our kernel is ahead of float32 F.linear up to M ~ 128 and
+# ~15-20% behind it at 256-512, where the GEMM on converted tiles is within 1-5% of it.
+MKL_MIN_ROWS = 128
+
+_FP16_MAX = 65504.0
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: scale = max|w_row| / 127, q = round(w / scale).
+
+    Per row rather than per tensor: rows of a projection can differ widely in range (orders of
+    magnitude), and a row's scale multiplies its output once, after the dot product.
+    An all-zero row gets scale 1 (its codes are 0 either way) so nothing divides by zero.
+    """
+    w = weight.float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+class DenseLinear:
+    """The weight in the compute dtype: F.linear, the path every float32 test runs."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight = weight.contiguous()
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the weight (an embedding lookup when the matrix is a tied lm_head)."""
+        return self.weight.index_select(0, ids)
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.weight, self.bias)
+
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
+
+class WeightOnlyLinear:
+    """y = x @ W^T (+ bias), W stored as float16, bfloat16 or int8 (+ per-row scales).
+
+    Built from a weight in any float dtype; `compute_dtype` is what `rows()` returns. Calls with
+    float32 activations on the CPU take our kernels when they loaded (`use_kernels` None = ask
+    `build.available()`); anything else takes the fallback, the same math in plain torch.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        stored_dtype: torch.dtype,
+        bias: torch.Tensor | None = None,
+        compute_dtype: torch.dtype = torch.float32,
+        use_kernels: bool | None = None,
+    ):
+        if weight.dim() != 2:
+            raise ValueError(f"a linear weight must be a [out, in] matrix, got shape {tuple(weight.shape)}")
+        if stored_dtype not in STORED_DTYPES:
+            raise ValueError(f"stored_dtype must be float16, bfloat16 or int8, not {stored_dtype}")
+        self.stored_dtype = stored_dtype
+        self.compute_dtype = compute_dtype
+        self.scale: torch.Tensor | None = None
+        if stored_dtype == torch.int8:
+            self.weight, self.scale = quantize_int8(weight)
+        else:
+            if stored_dtype == torch.float16:
+                peak = float(weight.abs().max()) if weight.numel() else 0.0
+                if peak > _FP16_MAX:  # would become inf; bfloat16 has float32's range
+                    raise ValueError(
+                        f"a weight of magnitude {peak:.4g} does not fit float16 (max {_FP16_MAX}); "
+                        "store the weights as bfloat16 or float32 (--weight-dtype)"
+                    )
+            self.weight = weight.to(stored_dtype).contiguous()
+        # Kept in float32, as the kernels take it; the fallback casts it to the activations' dtype.
+        self.bias = bias.float().contiguous() if bias is not None else None
+        self.use_kernels = build.available() if use_kernels is None else use_kernels
+        self.out_features, self.in_features = self.weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernels and x.dtype == torch.float32 and x.device.type == "cpu":
+            return self.kernel(x)
+        return self.fallback(x)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """Our C++ kernels: float32 x only."""
+        ops = torch.ops.inferlab
+        if self.scale is not None:
+            return ops.linear_w8(x, self.weight, self.scale, self.bias, MKL_MIN_ROWS)
+        return ops.linear_w16(x, self.weight, self.bias, MKL_MIN_ROWS)
+
+    def fallback(self, x: torch.Tensor) -> torch.Tensor:
+        """Plain torch, same math: the weight dequantized to x's dtype, then F.linear."""
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantized(x.dtype), bias)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight as the products see it: codes x scales for int8, the 16-bit values as is."""
+        if self.scale is None:
+            return self.weight.to(dtype)
+        return (self.weight.float() * self.scale[:, None]).to(dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows in the compute dtype: an embedding lookup from the stored table, so a
+        tied embedding needs no second, full-precision copy."""
+        r = self.weight.index_select(0, ids).to(self.compute_dtype)
+        if self.scale is not None:
+            r = r * self.scale.index_select(0, ids).to(self.compute_dtype)[:, None]
+        return r
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.weight, self.scale, self.bias)
+
+
+def make_linear(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stored_dtype: torch.dtype,
+    compute_dtype: torch.dtype,
+) -> DenseLinear | WeightOnlyLinear:
+    """DenseLinear when the weight is stored in the compute dtype, else WeightOnlyLinear."""
+    if stored_dtype == compute_dtype:
+        return DenseLinear(weight.to(compute_dtype), None if bias is None else bias.to(compute_dtype))
+    if stored_dtype not in STORED_DTYPES:
+        raise ValueError(
+            f"weights stored as {stored_dtype} with compute in {compute_dtype}: weight-only storage "
+            "is float16, bfloat16 or int8"
+        )
+    return WeightOnlyLinear(weight, stored_dtype, bias, compute_dtype)
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)

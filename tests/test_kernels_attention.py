@@ -1,0 +1,279 @@
+"""The paged-attention decode kernel against the SDPA path it replaces, and the engine with it
+on and off.
+
+Caches are random with shuffled, non-contiguous block tables, so a kernel that read the wrong
+block, the wrong head or past a context's end would disagree with the reference. The SDPA
+fallback tests run whether or not the kernels build.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from inferlab import LLM, SamplingParams
+from inferlab.kernels import build
+from inferlab.models import attention
+from inferlab.models.attention import (
+    AttentionMetadata,
+    BatchGroup,
+    decode_attention_kernel,
+    decode_attention_sdpa,
+    padded_slots_and_mask,
+    paged_attention,
+)
+from inferlab.models.testing import make_tiny_hf_model
+
+needs_kernels = pytest.mark.skipif(
+    not build.available(), reason=f"inferlab CPU kernels unavailable: {build.unavailable_reason()}"
+)
+
+
+def make_case(batch, heads, kv_heads, head_dim, lens, block_size=16, dtype=torch.float32, seed=0, spare_blocks=7):
+    """Random caches; each request's blocks drawn without replacement from a shuffled pool."""
+    g = torch.Generator().manual_seed(seed)
+    need = [(n + block_size - 1) // block_size for n in lens]
+    num_blocks = sum(need) + spare_blocks
+    slots = num_blocks * block_size
+    k_cache = torch.randn(kv_heads, slots, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(kv_heads, slots, head_dim, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    rows, at = [], 0
+    for k in need:
+        rows.append(perm[at : at + k] + [0] * (max(need) - k))
+        at += k
+    q = torch.randn(batch, heads, head_dim, generator=g).to(dtype)
+    return q, k_cache, v_cache, torch.tensor(rows, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+
+
+def sdpa_reference(q, k_cache, v_cache, tables, lens, block_size, scale):
+    """The fallback path over the same block tables, in float32."""
+    slots, mask = padded_slots_and_mask(tables, block_size, lens.long() - 1, 1, int(lens.max()))
+    return decode_attention_sdpa(q.float(), k_cache.float(), v_cache.float(), slots, mask, scale)
+
+
+def naive_reference(q, k_cache, v_cache, tables, lens, block_size, scale):
+    """One sequence, one head at a time, straight from the definition."""
+    b, h, d = q.shape
+    group = h // k_cache.shape[0]
+    out = torch.empty(b, h, d, dtype=torch.float64)
+    for i in range(b):
+        n = int(lens[i])
+        slots = torch.tensor([int(tables[i, p // block_size]) * block_size + p % block_size for p in range(n)])
+        for j in range(h):
+            k = k_cache[j // group, slots].double()
+            v = v_cache[j // group, slots].double()
+            p = torch.softmax(k @ q[i, j].double() * scale, 0)
+            out[i, j] = p @ v
+    return out
+
+
+LENS_ONE = [1, 15, 16, 17, 300]
+LENS_33 = (LENS_ONE * 7)[:33]
+
+
+# ---- the fallback (always runs) ----
+
+
+def test_sdpa_fallback_matches_definition():
+    q, kc, vc, tables, lens = make_case(5, 6, 2, 24, LENS_ONE)
+    got = sdpa_reference(q, kc, vc, tables, lens, 16, 0.3)
+    torch.testing.assert_close(got.double(), naive_reference(q, kc, vc, tables, lens, 16, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_padded_slots_and_mask_layout():
+    tables = torch.tensor([[3, 1], [2, 0]])
+    slots, mask = padded_slots_and_mask(tables, 4, torch.tensor([5, 1]), 2, 7)
+    assert slots.tolist() == [[12, 13, 14, 15, 4, 5, 6], [8, 9, 10, 11, 0, 1, 2]]
+    assert mask.shape == (2, 1, 2, 7)
+    assert mask[0, 0, 0].tolist() == [True] * 6 + [False]  # query at position 5 sees 0..5
+    assert mask[0, 0, 1].tolist() == [True] * 7
+    assert mask[1, 0, 0].tolist() == [True, True] + [False] * 5
+
+
+# ---- the kernel against the reference ----
+
+
+@needs_kernels
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 20])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("lens", [LENS_ONE, LENS_33], ids=["batch5", "batch33"])
+def test_kernel_matches_sdpa(head_dim, group, lens):
+    kv_heads = 2
+    q, kc, vc, tables, ctx = make_case(len(lens), kv_heads * group, kv_heads, head_dim, lens, seed=head_dim + group)
+    scale = head_dim**-0.5
+    got = decode_attention_kernel(q, kc, vc, tables, ctx, 16, scale)
+    torch.testing.assert_close(got, sdpa_reference(q, kc, vc, tables, ctx, 16, scale), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", LENS_ONE)
+def test_kernel_batch_one(n):
+    q, kc, vc, tables, ctx = make_case(1, 9, 3, 64, [n], seed=n)
+    got = decode_attention_kernel(q, kc, vc, tables, ctx, 16, 0.125)
+    torch.testing.assert_close(got, sdpa_reference(q, kc, vc, tables, ctx, 16, 0.125), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("block_size", [1, 5, 32])
+def test_kernel_other_block_sizes_and_int64_tables(block_size):
+    q, kc, vc, tables, ctx = make_case(6, 8, 2, 64, [1, 4, 5, 6, 33, 97], block_size=block_size)
+    tables = tables.long()
+    got = decode_attention_kernel(q, kc, vc, tables, ctx.long(), block_size, 0.2)
+    torch.testing.assert_close(
+        got, sdpa_reference(q, kc, vc, tables, ctx, block_size, 0.2), atol=1e-5, rtol=1e-5
+    )
+
+
+@needs_kernels
+def test_kernel_reads_only_the_context():
+    """Everything outside the requests' contexts is NaN: the output must not see it."""
+    lens = [1, 17, 40]
+    q, kc, vc, tables, ctx = make_case(3, 6, 3, 64, lens)
+    ref = decode_attention_kernel(q, kc, vc, tables, ctx, 16, 0.125)
+    used = torch.zeros(kc.shape[1], dtype=torch.bool)
+    for i, n in enumerate(lens):
+        for p in range(n):
+            used[int(tables[i, p // 16]) * 16 + p % 16] = True
+    kc[:, ~used] = float("nan")
+    vc[:, ~used] = float("nan")
+    got = decode_attention_kernel(q, kc, vc, tables, ctx, 16, 0.125)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, ref)
+
+
+@needs_kernels
+def test_kernel_large_scores_stay_finite():
+    """Scores in the hundreds: a softmax without the max subtraction would overflow."""
+    q, kc, vc, tables, ctx = make_case(2, 4, 2, 64, [50, 300])
+    q = q * 40
+    got = decode_attention_kernel(q, kc, vc, tables, ctx, 16, 0.125)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, sdpa_reference(q, kc, vc, tables, ctx, 16, 0.125), atol=1e-4, rtol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_16bit_caches(dtype):
+    q, kc, vc, tables, ctx = make_case(33, 9, 3, 64, LENS_33, dtype=dtype)
+    got = decode_attention_kernel(q, kc, vc, tables, ctx, 16, 0.125)
+    assert got.dtype == dtype
+    # fp32 arithmetic on the 16-bit values, rounded once at the end: within one rounding step.
+    torch.testing.assert_close(got, sdpa_reference(q, kc, vc, tables, ctx, 16, 0.125).to(dtype))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_float32_query_on_16bit_cache(dtype):
+    """A 16-bit cache under a float32 model: the query and output stay float32."""
+    q, kc, vc, tables, ctx = make_case(8, 8, 2, 128, LENS_ONE + [2, 31, 64], dtype=dtype)
+    q = torch.randn(q.shape, generator=torch.Generator().manual_seed(5))
+    got = decode_attention_kernel(q, kc, vc, tables, ctx, 16, 0.1)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, sdpa_reference(q, kc, vc, tables, ctx, 16, 0.1), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_kernel_batch_invariant():
+    """A request's output does not depend on what else is in the batch."""
+    q, kc, vc, tables, ctx = make_case(33, 9, 3, 64, LENS_33)
+    full = decode_attention_kernel(q, kc, vc, tables, ctx, 16, 0.125)
+    alone = decode_attention_kernel(q[7:8], kc, vc, tables[7:8, :2], ctx[7:8], 16, 0.125)  # 17 tokens: 2 blocks
+    assert torch.equal(full[7:8], alone)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: {**a, "context_lens": torch.tensor([0, 3], dtype=torch.int32)}, "at least its own token"),
+        (lambda a: {**a, "context_lens": torch.tensor([5, 33], dtype=torch.int32)}, "needs more than"),
+        (lambda a: {**a, "block_tables": torch.tensor([[99, 0], [1, 2]], dtype=torch.int32)}, "outside the cache"),
+        (lambda a: {**a, "q": a["q"][:, :5]}, "not a multiple"),
+        (lambda a: {**a, "q": a["q"].double()}, "q must be float32 or the cache's dtype"),
+        (lambda a: {**a, "v_cache": a["v_cache"].half()}, "share one dtype"),
+        (lambda a: {**a, "block_tables": a["block_tables"].float()}, "int32 or int64"),
+        (lambda a: {**a, "block_size": 7}, "does not divide"),
+    ],
+)
+def test_kernel_rejects_bad_input(change, message):
+    q, kc, vc, tables, ctx = make_case(2, 6, 2, 64, [5, 20])
+    args = dict(q=q, k_cache=kc, v_cache=vc, block_tables=tables, context_lens=ctx, block_size=16, scale=0.1)
+    with pytest.raises(ValueError, match=message):
+        decode_attention_kernel(**change(args))
+
+
+# ---- paged_attention picks the path the metadata asks for ----
+
+
+@needs_kernels
+def test_paged_attention_kernel_and_fallback_agree():
+    lens = [3, 16, 17, 60]
+    q, kc, vc, tables, ctx = make_case(4, 6, 2, 32, lens)
+    new_k = torch.randn(4, 2, 32)
+    new_v = torch.randn(4, 2, 32)
+    slot_mapping = torch.tensor([int(tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 for i, n in enumerate(lens)])
+    slots, mask = padded_slots_and_mask(tables, 16, ctx.long() - 1, 1, max(lens))
+    sdpa_meta = AttentionMetadata(slot_mapping, 4, BatchGroup(slots=slots, mask=mask), None)
+    kernel_meta = AttentionMetadata(
+        slot_mapping, 4, BatchGroup(block_tables=tables, context_lens=ctx, block_size=16), None
+    )
+    a = paged_attention(q, new_k, new_v, (kc.clone(), vc.clone()), sdpa_meta, 0.2)
+    b = paged_attention(q, new_k, new_v, (kc.clone(), vc.clone()), kernel_meta, 0.2)
+    torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def test_switch_turns_the_kernel_off(monkeypatch):
+    monkeypatch.setattr(attention, "USE_DECODE_KERNEL", False)
+    assert not attention.decode_kernel_enabled(torch.float32)
+    monkeypatch.setattr(attention, "USE_DECODE_KERNEL", True)
+    assert attention.decode_kernel_enabled(torch.float32) == build.available()
+    assert not attention.decode_kernel_enabled(torch.float64)
+
+
+# ---- the engine, kernel on and off ----
+
+
+@pytest.fixture(scope="module")
+def gqa_model(tmp_path_factory):
+    """6 query heads over 2 KV heads of 64 (the default model's group of 3 and head size)."""
+    return make_tiny_hf_model(
+        tmp_path_factory.mktemp("gqa"), arch="llama", hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=64
+    )
+
+
+def _generate(path, monkeypatch, use_kernel):
+    monkeypatch.setattr(attention, "USE_DECODE_KERNEL", use_kernel)
+    seen = []
+    real = attention.paged_attention
+
+    def spy(q, k, v, cache, meta, scale, **kw):
+        if meta.decode is not None:
+            seen.append(meta.decode.slots is None)
+        return real(q, k, v, cache, meta, scale, **kw)
+
+    monkeypatch.setattr("inferlab.models.decoder.paged_attention", spy)
+    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=48, num_kv_blocks=128)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 16, 17, 40, 70)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    outs = llm.generate(prompts, params)
+    assert seen and all(x == use_kernel for x in seen)  # the path asked for is the path taken
+    return outs
+
+
+@needs_kernels
+def test_engine_same_tokens_with_and_without_kernel(gqa_model, monkeypatch):
+    on = _generate(gqa_model, monkeypatch, True)
+    off = _generate(gqa_model, monkeypatch, False)
+    for a, b in zip(on, off):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for (ca, _), (cb, _) in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert math.isclose(ca.logprob, cb.logprob, rel_tol=1e-4, abs_tol=1e-4)
+
+
+def test_engine_fallback_runs(gqa_model, monkeypatch):
+    outs = _generate(gqa_model, monkeypatch, False)
+    assert all(len(o.outputs[0].token_ids) == 10 for o in outs)

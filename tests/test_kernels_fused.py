@@ -1,0 +1,109 @@
+"""The fused decoder-layer operators (kernels/csrc/fused.cpp) against the torch operators they
+replace: same numbers, same cache writes, and clear errors on wrong input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inferlab import LLM, SamplingParams
+from inferlab.kernels import build
+from inferlab.models import decoder
+from inferlab.models.rope import apply_rope, rope_cache
+from inferlab.models.testing import make_tiny_hf_model
+
+pytestmark = pytest.mark.skipif(not build.available(), reason=f"kernels unavailable: {build.unavailable_reason()}")
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return torch.ops.inferlab
+
+
+@pytest.mark.parametrize("t", [1, 7, 64])
+def test_add_rms_norm_matches_torch(ops, t):
+    g = torch.Generator().manual_seed(t)
+    x, r, w = torch.randn(t, 96, generator=g), torch.randn(t, 96, generator=g), torch.randn(96, generator=g)
+    got_x = x.clone()
+    out = ops.add_rms_norm_(got_x, r, w, 1e-6)
+    torch.testing.assert_close(got_x, x + r, rtol=0, atol=0)
+    torch.testing.assert_close(out, F.rms_norm(x + r, (96,), w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("t", "heads", "kv_heads", "d"), [(1, 9, 3, 64), (5, 4, 4, 128), (33, 8, 2, 32)])
+def test_rope_write_kv_matches_torch(ops, t, heads, kv_heads, d):
+    g = torch.Generator().manual_seed(d + t)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g)
+    cos, sin = rope_cache(d, 10000.0, None, 256, torch.float32)
+    pos = torch.randint(0, 256, (t,), generator=g)
+    slots = torch.randperm(300, generator=g)[:t]
+    kc, vc = torch.full((kv_heads, 300, d), 7.0), torch.full((kv_heads, 300, d), 7.0)
+    q, k = ops.rope_write_kv(qkv, pos, cos, sin, kc, vc, slots, heads, kv_heads, d)
+
+    qr, kr, vr = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)
+    c, s = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
+    torch.testing.assert_close(q, apply_rope(qr.reshape(t, heads, d), c, s), rtol=1e-5, atol=1e-5)
+    k_ref = apply_rope(kr.reshape(t, kv_heads, d), c, s)
+    torch.testing.assert_close(k, k_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kc[:, slots], k.transpose(0, 1), rtol=0, atol=0)  # the cache holds what it returns
+    torch.testing.assert_close(vc[:, slots], vr.reshape(t, kv_heads, d).transpose(0, 1), rtol=0, atol=0)
+    untouched = torch.ones(300, dtype=torch.bool)
+    untouched[slots] = False
+    assert bool((kc[:, untouched] == 7.0).all()) and bool((vc[:, untouched] == 7.0).all())
+
+
+def test_rope_write_kv_rejects_a_slot_outside_the_cache(ops):
+    cos, sin = rope_cache(8, 10000.0, None, 16, torch.float32)
+    kc = vc = torch.zeros(1, 4, 8)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.rope_write_kv(torch.randn(1, 24), torch.tensor([0]), cos, sin, kc, vc, torch.tensor([4]), 1, 1, 8)
+
+
+@pytest.mark.parametrize("m", [1, 3, 40])
+def test_silu_mul_matches_torch(ops, m):
+    x = torch.randn(m, 2 * 100, generator=torch.Generator().manual_seed(m))
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(x), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+def test_the_operators_refuse_other_dtypes(ops):
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.silu_mul(torch.randn(2, 8, dtype=torch.bfloat16))
+
+
+# ---- the decoder's fused forward against its plain-operator forward ----
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("fused"), arch="llama")
+
+
+def _generate(path, monkeypatch, fused: bool):
+    monkeypatch.setattr(decoder, "USE_FUSED_OPS", fused)
+    calls = []
+    real = decoder.DecoderModel._forward_fused
+
+    def spy(self, *a, **kw):
+        calls.append(1)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(decoder.DecoderModel, "_forward_fused", spy)
+    # A small token budget: steps mix decodes with chunks of prompts, fresh and continued.
+    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=24, num_kv_blocks=96)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (3, 16, 30, 45)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2))
+    assert bool(calls) == fused  # the path asked for is the path taken
+    return outs
+
+
+def test_fused_forward_gives_the_same_tokens_and_logprobs(tiny_llama, monkeypatch):
+    fused = _generate(tiny_llama, monkeypatch, True)
+    plain = _generate(tiny_llama, monkeypatch, False)
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for (ca, ta), (cb, tb) in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert ca.logprob == pytest.approx(cb.logprob, rel=1e-4, abs=1e-4)
+            assert [x.token_id for x in ta] == [x.token_id for x in tb]

@@ -1,0 +1,256 @@
+"""Weight-only linear layers: our C++ kernels against a float64 product of the dequantized
+weight, the plain-torch fallback against the kernels, int8's quantization error, the weight
+dtype "auto" resolves to, and the engine with 16-bit weights against its float32 run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import inferlab.models.loader as loader
+from inferlab import LLM, SamplingParams
+from inferlab.config import LoadConfig
+from inferlab.kernels import build
+from inferlab.kernels.linear import DenseLinear, WeightOnlyLinear, make_linear, quantize_int8
+from inferlab.models.loader import resolve_weight_dtype
+from inferlab.models.testing import make_tiny_hf_model
+
+STORED = [torch.float16, torch.bfloat16, torch.int8]
+# Odd sizes: K not a multiple of 8 (the kernels' vector width) and N not of 4 (their row block).
+SHAPES = [(37, 45), (130, 576)]
+ROWS = list(range(1, 21)) + [512]
+
+needs_kernels = pytest.mark.skipif(
+    not build.available(), reason=f"inferlab CPU kernels unavailable: {build.unavailable_reason() or '?'}"
+)
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(0)  # every random input here is the same on every run
+
+
+def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[:, 0] *= 20  # an outlier column, as real projections have
+    return w
+
+
+def _reference(x: torch.Tensor, lin: WeightOnlyLinear) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 product of the dequantized weight, and the error bound a float32 sum may reach."""
+    w = lin.dequantized(torch.float64)
+    y = x.double() @ w.T
+    if lin.bias is not None:
+        y = y + lin.bias.double()
+    # float32 accumulation over K terms: a few ulps of the sum of magnitudes.
+    bound = 1e-5 * (x.double().abs() @ w.abs().T) + 1e-6
+    return y, bound
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, lin: WeightOnlyLinear) -> None:
+    ref, bound = _reference(x, lin)
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    err = (y.double() - ref).abs()
+    assert bool((err <= bound).all()), f"max error {float(err.max()):.3g}, bound {float(bound.min()):.3g}"
+
+
+@needs_kernels
+@pytest.mark.parametrize("stored", STORED, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_kernel_matches_dequantized_reference(stored, shape, with_bias):
+    n, k = shape
+    bias = torch.randn(n) if with_bias else None
+    lin = WeightOnlyLinear(_weight(n, k), stored, bias, use_kernels=True)
+    g = torch.Generator().manual_seed(1)
+    for m in ROWS:
+        x = torch.randn(m, k, generator=g)
+        _check(lin(x), x, lin)  # the path MKL_MIN_ROWS picks
+        # and each path forced, whatever M is: our micro-kernel, then float32 tiles through torch's GEMM
+        for min_rows in (1 << 30, 1):
+            if stored == torch.int8:
+                y = torch.ops.inferlab.linear_w8(x, lin.weight, lin.scale, lin.bias, min_rows)
+            else:
+                y = torch.ops.inferlab.linear_w16(x, lin.weight, lin.bias, min_rows)
+            _check(y, x, lin)
+
+
+@needs_kernels
+def test_kernel_takes_any_leading_dims_and_strides():
+    lin = WeightOnlyLinear(_weight(21, 40), torch.float16, torch.randn(21), use_kernels=True)
+    x = torch.randn(40, 2, 3).permute(1, 2, 0)  # [2, 3, 40], not contiguous
+    y = lin(x)
+    assert y.shape == (2, 3, 21)
+    _check(y.reshape(6, 21), x.reshape(6, 40), lin)
+    assert lin(torch.randn(0, 40)).shape == (0, 21)
+
+
+@needs_kernels
+def test_kernel_rejects_mismatched_inputs():
+    w = torch.zeros(8, 16, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="features"):
+        torch.ops.inferlab.linear_w16(torch.zeros(2, 15), w)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.inferlab.linear_w16(torch.zeros(2, 16, dtype=torch.float64), w)
+    with pytest.raises(RuntimeError, match="int8"):
+        torch.ops.inferlab.linear_w8(torch.zeros(2, 16), w, torch.ones(8))
+    with pytest.raises(RuntimeError, match="scale"):
+        torch.ops.inferlab.linear_w8(torch.zeros(2, 16), w.to(torch.int8), torch.ones(7))
+
+
+@needs_kernels
+@pytest.mark.parametrize("stored", STORED, ids=str)
+def test_fallback_equals_kernel(stored):
+    w, bias = _weight(67, 93, seed=3), torch.randn(67)
+    fast = WeightOnlyLinear(w, stored, bias, use_kernels=True)
+    plain = WeightOnlyLinear(w, stored, bias, use_kernels=False)
+    for m in (1, 5, 17, 300):
+        x = torch.randn(m, 93)
+        torch.testing.assert_close(fast(x), plain(x), rtol=1e-5, atol=1e-5)
+
+
+# ---- the fallback and the storage: no kernels needed ---------------------------------------
+
+
+@pytest.mark.parametrize("stored", STORED, ids=str)
+def test_fallback_is_flinear_of_the_dequantized_weight(stored):
+    w, bias = _weight(19, 33), torch.randn(19)
+    lin = WeightOnlyLinear(w, stored, bias, use_kernels=False)
+    x = torch.randn(4, 33)
+    assert lin.weight.dtype == stored
+    _check(lin(x), x, lin)
+    torch.testing.assert_close(lin(x), F.linear(x, lin.dequantized(), bias), rtol=0, atol=0)
+    # Activations in another dtype (a bf16-compute engine) take the fallback, in that dtype.
+    assert lin(x.to(torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_int8_quantization_error_is_bounded():
+    w = _weight(64, 200)
+    w[5] = 0.0  # an all-zero row must not divide by zero
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.shape == (64,) and bool(torch.isfinite(scale).all())
+    rows = torch.arange(64) != 5
+    torch.testing.assert_close(scale[rows], w[rows].abs().amax(1) / 127)  # per output row, symmetric
+    assert bool((q[rows].abs().amax(1) == 127).all())  # each row's largest weight uses the full range
+    deq = q.float() * scale[:, None]
+    assert bool(((deq - w).abs() <= scale[:, None] / 2 * (1 + 1e-5)).all())  # round to nearest: half a step
+    assert bool((deq[5] == 0).all())
+    # So each output is off by at most sum_k |x_k| * scale_n / 2.
+    lin = WeightOnlyLinear(w, torch.int8, use_kernels=False)
+    x = torch.randn(8, 200, generator=torch.Generator().manual_seed(2))
+    err = (lin(x) - x @ w.T).abs()
+    assert bool((err <= x.abs().sum(1, keepdim=True) * scale / 2 * (1 + 1e-4) + 1e-5).all())
+
+
+@pytest.mark.parametrize("stored", STORED, ids=str)
+def test_rows_are_the_dequantized_rows(stored):
+    lin = WeightOnlyLinear(_weight(50, 24), stored, use_kernels=False)
+    ids = torch.tensor([3, 0, 49, 3])
+    rows = lin.rows(ids)
+    assert rows.dtype == torch.float32
+    torch.testing.assert_close(rows, lin.dequantized()[ids], rtol=0, atol=0)
+
+
+def test_nbytes_and_the_dense_case():
+    w = _weight(30, 16)
+    assert WeightOnlyLinear(w, torch.float16).nbytes == 30 * 16 * 2
+    assert WeightOnlyLinear(w, torch.bfloat16, torch.zeros(30)).nbytes == 30 * 16 * 2 + 30 * 4
+    assert WeightOnlyLinear(w, torch.int8).nbytes == 30 * 16 + 30 * 4  # codes + scales
+    dense = make_linear(w, None, torch.float32, torch.float32)
+    assert isinstance(dense, DenseLinear) and dense.weight is w and dense.nbytes == 30 * 16 * 4
+    assert isinstance(make_linear(w, None, torch.float16, torch.float32), WeightOnlyLinear)
+
+
+def test_bad_storage_is_a_value_error():
+    with pytest.raises(ValueError, match="does not fit float16"):
+        WeightOnlyLinear(torch.full((2, 2), 70000.0), torch.float16)
+    WeightOnlyLinear(torch.full((2, 2), 70000.0), torch.bfloat16)  # bfloat16 has float32's range
+    with pytest.raises(ValueError, match="stored_dtype"):
+        WeightOnlyLinear(torch.zeros(2, 2), torch.float64)
+    with pytest.raises(ValueError, match="matrix"):
+        WeightOnlyLinear(torch.zeros(2), torch.float16)
+
+
+# ---- which weight dtype a LoadConfig gets --------------------------------------------------
+
+
+def test_auto_weight_dtype(monkeypatch):
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)  # an AVX2 CPU: float32 compute
+    monkeypatch.setattr(build, "available", lambda: True)
+    assert resolve_weight_dtype(LoadConfig()) == torch.float16
+    # An explicit float32 compute keeps float32 weights: the exact-match tests rely on it.
+    assert resolve_weight_dtype(LoadConfig(dtype="float32")) == torch.float32
+    monkeypatch.setattr(build, "available", lambda: False)  # no kernels: 16-bit would be slower
+    assert resolve_weight_dtype(LoadConfig()) == torch.float32
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: True)  # native bf16: weights as computed
+    monkeypatch.setattr(build, "available", lambda: True)
+    assert resolve_weight_dtype(LoadConfig()) == torch.bfloat16
+
+
+def test_explicit_weight_dtype(monkeypatch):
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)
+    assert resolve_weight_dtype(LoadConfig(weight_dtype="int8")) == torch.int8
+    assert resolve_weight_dtype(LoadConfig(dtype="float32", weight_dtype="bfloat16")) == torch.bfloat16
+    assert resolve_weight_dtype(LoadConfig(dtype="bfloat16", weight_dtype="bfloat16")) == torch.bfloat16
+    with pytest.raises(ValueError, match="wider than the compute dtype"):
+        resolve_weight_dtype(LoadConfig(dtype="bfloat16", weight_dtype="float32"))
+    with pytest.raises(ValueError, match="weight_dtype must be"):
+        LoadConfig(weight_dtype="int4")
+
+
+def test_weight_dtype_flags():
+    from inferlab.cli import build_parser
+    from inferlab.server.cli import _engine_config
+
+    argv = ["serve", "--weight-dtype", "int8"]
+    parser, _ = build_parser(argv)
+    assert _engine_config(parser.parse_args(argv)).load.weight_dtype == "int8"
+    assert _engine_config(parser.parse_args(["serve"])).load.weight_dtype == "auto"
+    argv = ["generate", "--weight-dtype", "bfloat16"]
+    parser, _ = build_parser(argv)
+    assert parser.parse_args(argv).weight_dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--weight-dtype", "int4"])
+
+
+# ---- the engine --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("llama"), arch="llama")
+
+
+def _greedy(llm: LLM) -> list[tuple[list[int], list[float]]]:
+    prompts = [list(range(3, 40)), [7, 300, 12, 5, 90]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    outs = llm.generate(prompts, params)
+    return [(o.outputs[0].token_ids, [lp.logprob for lp, _ in o.outputs[0].logprobs]) for o in outs]
+
+
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "fallback"])
+def test_engine_with_float16_weights_follows_float32(tiny_llama, monkeypatch, use_kernels):
+    if use_kernels and not build.available():
+        pytest.skip(f"inferlab CPU kernels unavailable: {build.unavailable_reason()}")
+    ref = _greedy(LLM(str(tiny_llama), dtype="float32", num_kv_blocks=64))
+    monkeypatch.setattr(build, "available", lambda: use_kernels)
+    llm = LLM(str(tiny_llama), dtype="float32", weight_dtype="float16", num_kv_blocks=64)
+    runner = llm.engine.runner
+    assert runner.weight_dtype == torch.float16
+    qkv = runner.model.layers[0].qkv
+    assert isinstance(qkv, WeightOnlyLinear) and qkv.weight.dtype == torch.float16
+    assert qkv.use_kernels is use_kernels
+    assert runner.model.lm_head is runner.model.embed  # tied: one 16-bit table for both
+    for (ids, lps), (ref_ids, ref_lps) in zip(_greedy(llm), ref):
+        assert ids == ref_ids
+        assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-2
+
+
+def test_engine_float32_keeps_dense_weights(tiny_llama):
+    llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=16)
+    model = llm.engine.runner.model
+    assert llm.engine.runner.weight_dtype == torch.float32
+    assert all(isinstance(lin, DenseLinear) for lin in (model.layers[0].qkv, model.layers[0].down, model.lm_head))
+    assert model.describe_precision().startswith("weights float32 (F.linear), compute float32")
