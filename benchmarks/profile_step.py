@@ -1,6 +1,7 @@
 """Where one engine step's time goes: matmuls, attention, norms/rope/activations, sampling,
-scheduling, and the Python around them. For a decode step at batch sizes 1 and 32 and a
-prefill step of a 512-token prompt.
+scheduling, and the Python around them. For a decode step at batch sizes 1 and 32, a
+prefill step of a 512-token prompt, and one step of eight 256-token prompts (what 32 clients'
+prompts look like under a 2,048-token budget).
 
     .venv/bin/python benchmarks/profile_step.py [--model PATH] [--dtype auto] [--weight-dtype auto] [--steps 10]
 
@@ -128,6 +129,8 @@ def roofs(llm: LLM, bandwidth: float, flops: float) -> tuple[dict[str, float], i
         "decode, batch 32 (ctx ~280)": decode(32, 290),
         "prefill, 512 tokens": (512 * 2 * mc.num_layers * layer_params + head_flops
                                 + attn_per_pair * 512 * 513 / 2) / flops,
+        "prefill, 8 x 256 tokens": (2048 * 2 * mc.num_layers * layer_params + 8 * head_flops
+                                    + attn_per_pair * 8 * 256 * 257 / 2) / flops,
     }, wb
 
 
@@ -150,6 +153,7 @@ def main() -> None:
         "decode, batch 1 (ctx ~140)": ([prompt(128)], 64, 2),
         "decode, batch 32 (ctx ~280)": ([prompt(256) for _ in range(32)], 64, 6),
         "prefill, 512 tokens": ([prompt(512)], 1, 0),
+        "prefill, 8 x 256 tokens": ([prompt(256) for _ in range(8)], 1, 0),  # a step of 32 clients' prompts
     }
     hw = measure_cpu(array_mib=512, repeats=5)
     roof, wb = roofs(llm, hw.memory_bandwidth, hw.flops["fp32"])

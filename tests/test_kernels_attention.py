@@ -277,3 +277,17 @@ def test_engine_same_tokens_with_and_without_kernel(gqa_model, monkeypatch):
 def test_engine_fallback_runs(gqa_model, monkeypatch):
     outs = _generate(gqa_model, monkeypatch, False)
     assert all(len(o.outputs[0].token_ids) == 10 for o in outs)
+
+
+def test_meta_to_moves_every_tensor_and_keeps_the_rest():
+    """The runner builds metadata on the host and moves it once for a GPU; here to the CPU, to
+    check that every tensor field arrives (as a copy-or-same tensor) and nothing else changes."""
+    from inferlab.models.attention import AttentionMetadata, BatchGroup, meta_to
+
+    g = BatchGroup(block_tables=torch.tensor([[1, 2]], dtype=torch.int32), context_lens=torch.tensor([20]),
+                   block_size=16)
+    meta = AttentionMetadata(torch.tensor([5]), 1, g, None)
+    moved = meta_to(meta, torch.device("cpu"))
+    assert moved.num_decode_tokens == 1 and moved.prefill is None and moved.decode.block_size == 16
+    assert torch.equal(moved.decode.block_tables, g.block_tables) and moved.decode.slots is None
+    assert torch.equal(moved.slot_mapping, meta.slot_mapping)

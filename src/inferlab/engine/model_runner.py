@@ -19,6 +19,7 @@ from inferlab.models.attention import (
     BatchGroup,
     allocate_kv_cache,
     decode_kernel_enabled,
+    meta_to,
     padded_slots_and_mask,
 )
 from inferlab.models.decoder import DecoderModel
@@ -49,6 +50,7 @@ class ModelRunner:
         cache_config: CacheConfig,
     ):
         self.model_config = model_config
+        self.device = torch.device(load_config.device)
         self.dtype = resolve_dtype(load_config.dtype, load_config.device)
         self.block_size = cache_config.block_size
         self.weight_dtype = resolve_weight_dtype(load_config)  # how the linear layers' weights are stored
@@ -60,6 +62,7 @@ class ModelRunner:
             model_config.head_dim,
             self.num_blocks * self.block_size,
             self.dtype,
+            device=self.device,
         )
         self.sampler = Sampler(load_config.seed)
 
@@ -70,11 +73,17 @@ class ModelRunner:
         prefills = [s for s in so.scheduled if len(s.token_ids) > 1]
         ordered = decodes + prefills
         input_ids, positions, meta, sample_index = self._prepare(decodes, prefills)
+        if self.device.type != "cpu":  # the batch is built on the host, then copied over once
+            input_ids, positions, sample_index = (t.to(self.device, non_blocking=True)
+                                                  for t in (input_ids, positions, sample_index))
+            meta = meta_to(meta, self.device)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
         sampled_rows = [s for s in ordered if s.sample]
         if not sampled_rows:
             return ModelRunnerOutput([], [], None, time.perf_counter() - t0)
         logits = self.model.compute_logits(hidden.index_select(0, sample_index))
+        if self.device.type != "cpu":
+            logits = logits.cpu()  # the sampler (penalties, seeds, logprobs) runs on the host
         out = self.sampler(logits, sampled_rows)
         # Back to the scheduler's order.
         by_id = {s.request_id: i for i, s in enumerate(sampled_rows)}
@@ -106,7 +115,7 @@ class ModelRunner:
 
         decode_group = None
         if decodes:
-            paged = decode_kernel_enabled(self.kv_caches[0][0].dtype)
+            paged = self.device.type == "cpu" and decode_kernel_enabled(self.kv_caches[0][0].dtype)
             decode_group = self._group(decodes, decode_lens, [1] * nd, pos[:nd], paged=paged)
         fresh = len(prefills) == 1 and prefills[0].start_pos == 0
         prefill_group = None

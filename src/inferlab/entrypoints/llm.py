@@ -41,6 +41,7 @@ class LLM:
         seed: int = 0,
         num_threads: int | None = None,
         hf_config_path: str | None = None,
+        device: str = "cpu",
     ):
         config = EngineConfig(
             load=LoadConfig(
@@ -50,6 +51,7 @@ class LLM:
                 weight_dtype=weight_dtype,
                 seed=seed,
                 hf_config_path=hf_config_path,
+                device=device,
             ),
             cache=CacheConfig(
                 block_size=block_size,

@@ -26,7 +26,7 @@ Two calls per layer, whatever the number of requests.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +72,19 @@ class AttentionMetadata:
     # A lone prefill chunk starting at position 0 needs no cache reads: plain causal attention
     # over its own fresh K/V (the common case of a new prompt).
     prefill_is_fresh: bool = False
+
+
+def meta_to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    """The same metadata with its tensors on `device` (the runner builds it on the host)."""
+
+    def move(g: BatchGroup | None) -> BatchGroup | None:
+        if g is None:
+            return None
+        return replace(g, **{f.name: getattr(g, f.name).to(device, non_blocking=True) for f in fields(g)
+                             if isinstance(getattr(g, f.name), torch.Tensor)})
+
+    return replace(meta, slot_mapping=meta.slot_mapping.to(device, non_blocking=True), decode=move(meta.decode),
+                   prefill=move(meta.prefill))
 
 
 def decode_kernel_enabled(dtype: torch.dtype) -> bool:

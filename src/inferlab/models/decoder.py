@@ -104,9 +104,10 @@ class DecoderModel:
                     down=linear(take(p + "mlp.down_proj.weight")),
                 )
             )
-        self.cos, self.sin = rope_cache(
+        device = self.final_norm.device
+        self.cos, self.sin = (t.to(device) for t in rope_cache(
             c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings, dtype
-        )
+        ))
         # The fused layer (kernels/csrc/fused.cpp) is float32-on-CPU only, and rotates q and k
         # straight after the qkv product, which a per-head q/k norm (Qwen3) would have to precede.
         self.fused_ok = dtype == torch.float32 and self.final_norm.device.type == "cpu" and not c.qk_norm
