@@ -280,14 +280,25 @@ def test_engine_fallback_runs(gqa_model, monkeypatch):
 
 
 def test_meta_to_moves_every_tensor_and_keeps_the_rest():
-    """The runner builds metadata on the host and moves it once for a GPU; here to the CPU, to
-    check that every tensor field arrives (as a copy-or-same tensor) and nothing else changes."""
+    """The runner builds metadata on the host and moves it once for a GPU. Moved to the "meta"
+    device here (no data, but a real move), every tensor field must arrive there and the rest
+    stay as they were."""
+    from dataclasses import fields
+
     from inferlab.models.attention import AttentionMetadata, BatchGroup, meta_to
 
-    g = BatchGroup(block_tables=torch.tensor([[1, 2]], dtype=torch.int32), context_lens=torch.tensor([20]),
-                   block_size=16)
-    meta = AttentionMetadata(torch.tensor([5]), 1, g, None)
-    moved = meta_to(meta, torch.device("cpu"))
-    assert moved.num_decode_tokens == 1 and moved.prefill is None and moved.decode.block_size == 16
-    assert torch.equal(moved.decode.block_tables, g.block_tables) and moved.decode.slots is None
-    assert torch.equal(moved.slot_mapping, meta.slot_mapping)
+    decode = BatchGroup(block_tables=torch.tensor([[1, 2]], dtype=torch.int32), context_lens=torch.tensor([20]),
+                        block_size=16)
+    prefill = BatchGroup(slots=torch.zeros(1, 4, dtype=torch.long), mask=torch.ones(1, 1, 2, 4, dtype=torch.bool),
+                         query_index=torch.zeros(1, 2, dtype=torch.long), valid_rows=torch.tensor([0, 1]))
+    meta = AttentionMetadata(torch.tensor([5, 6, 7]), 1, decode, prefill)
+    moved = meta_to(meta, torch.device("meta"))
+    assert moved.slot_mapping.device.type == "meta"
+    for before, after in ((decode, moved.decode), (prefill, moved.prefill)):
+        for f in fields(before):
+            old, new = getattr(before, f.name), getattr(after, f.name)
+            if isinstance(old, torch.Tensor):
+                assert new.device.type == "meta" and new.shape == old.shape and new.dtype == old.dtype, f.name
+            else:
+                assert new == old, f.name
+    assert moved.num_decode_tokens == 1 and moved.prefill_is_fresh is False

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from inferlab.kernels import build
 
-__all__ = ["DenseLinear", "WeightOnlyLinear", "make_linear", "quantize_int8", "STORED_DTYPES"]
+__all__ = ["DenseLinear", "WeightOnlyLinear", "make_linear", "quantize_int8"]
 
 # The storage dtypes WeightOnlyLinear takes; torch.int8 means symmetric per-output-row scales.
 STORED_DTYPES = (torch.float16, torch.bfloat16, torch.int8)
@@ -31,7 +31,7 @@ STORED_DTYPES = (torch.float16, torch.bfloat16, torch.int8)
 # ~15-20% behind it at 256-512, where the GEMM on converted tiles is within 1-5% of it.
 MKL_MIN_ROWS = 128
 
-_FP16_MAX = 65504.0
+_FP16_MAX = torch.finfo(torch.float16).max
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,10 +66,6 @@ class DenseLinear:
     def nbytes(self) -> int:
         return _nbytes(self.weight, self.bias)
 
-    @property
-    def stored_dtype(self) -> torch.dtype:
-        return self.weight.dtype
-
 
 class WeightOnlyLinear:
     """y = x @ W^T (+ bias), W stored as float16, bfloat16 or int8 (+ per-row scales).
@@ -91,7 +87,6 @@ class WeightOnlyLinear:
             raise ValueError(f"a linear weight must be a [out, in] matrix, got shape {tuple(weight.shape)}")
         if stored_dtype not in STORED_DTYPES:
             raise ValueError(f"stored_dtype must be float16, bfloat16 or int8, not {stored_dtype}")
-        self.stored_dtype = stored_dtype
         self.compute_dtype = compute_dtype
         self.scale: torch.Tensor | None = None
         if stored_dtype == torch.int8:
@@ -108,7 +103,6 @@ class WeightOnlyLinear:
         # Kept in float32, as the kernels take it; the fallback casts it to the activations' dtype.
         self.bias = bias.float().contiguous() if bias is not None else None
         self.use_kernels = build.available() if use_kernels is None else use_kernels
-        self.out_features, self.in_features = self.weight.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernels and x.dtype == torch.float32 and x.device.type == "cpu":
@@ -164,4 +158,4 @@ def make_linear(
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    return sum(t.nbytes for t in tensors if t is not None)

@@ -174,22 +174,21 @@ def paged_attention(
 
     t, h, d = q.shape
     nd = meta.num_decode_tokens
-    if meta.decode is not None and meta.decode.slots is None and nd == t:  # all decodes: no copy
-        g = meta.decode
-        assert g.block_tables is not None and g.context_lens is not None
-        o = decode_attention_kernel(q, k_cache, v_cache, g.block_tables, g.context_lens, g.block_size, scale)
-        return o.view(t, h * d)
-    out = q.new_empty(t, h, d)
+    decoded = None
     if meta.decode is not None:
         g = meta.decode
         if g.slots is None:  # the runner built block tables: decode_kernel_enabled() said yes
             assert g.block_tables is not None and g.context_lens is not None
-            out[:nd] = decode_attention_kernel(
-                q[:nd], k_cache, v_cache, g.block_tables, g.context_lens, g.block_size, scale
-            )
+            decoded = decode_attention_kernel(q[:nd], k_cache, v_cache, g.block_tables, g.context_lens,
+                                              g.block_size, scale)
         else:
             assert g.mask is not None
-            out[:nd] = decode_attention_sdpa(q[:nd], k_cache, v_cache, g.slots, g.mask, scale)
+            decoded = decode_attention_sdpa(q[:nd], k_cache, v_cache, g.slots, g.mask, scale)
+        if nd == t:  # all decodes (most steps): no copy into a shared output
+            return decoded.reshape(t, h * d)
+    out = q.new_empty(t, h, d)
+    if decoded is not None:
+        out[:nd] = decoded
     if meta.prefill_is_fresh:
         qp = q[nd:].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
         kp = k[nd:].transpose(0, 1).unsqueeze(0)

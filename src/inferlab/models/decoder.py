@@ -110,7 +110,8 @@ class DecoderModel:
         ))
         # The fused layer (kernels/csrc/fused.cpp) is float32-on-CPU only, and rotates q and k
         # straight after the qkv product, which a per-head q/k norm (Qwen3) would have to precede.
-        self.fused_ok = dtype == torch.float32 and self.final_norm.device.type == "cpu" and not c.qk_norm
+        self.fused_ok = (dtype == torch.float32 and device.type == "cpu" and not c.qk_norm
+                         and kernels_build.available())
         log.info("%s", self.describe_precision())
 
     def describe_precision(self) -> str:
@@ -134,7 +135,7 @@ class DecoderModel:
         for layer in self.layers:
             linears += [layer.qkv, layer.o, layer.gate_up, layer.down]
             norms += [t for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm) if t is not None]
-        return sum(lin.nbytes for lin in linears) + sum(t.numel() * t.element_size() for t in norms)
+        return sum(lin.nbytes for lin in linears) + sum(t.nbytes for t in norms)
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), w, self.config.rms_norm_eps)
@@ -147,7 +148,7 @@ class DecoderModel:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
-        if USE_FUSED_OPS and self.fused_ok and kernels_build.available():
+        if USE_FUSED_OPS and self.fused_ok:
             return self._forward_fused(input_ids, positions, kv_caches, meta)
         c = self.config
         t = input_ids.shape[0]

@@ -279,7 +279,7 @@ void decode_all(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
   // Small work (a few short contexts) is cheaper on one thread than a fork/join.
   const int64_t grain = total * g_heads * kvh * d < (1 << 15) ? b * kvh : 1;
   at::parallel_for(0, b * kvh, grain, [&](int64_t begin, int64_t end) {
-    Scratch s;
+    thread_local Scratch s;  // torch's pool threads live on: buffers grow once, then are reused
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / kvh, kh = task % kvh;
       const T* kbase = kp + kh * slots * d;

@@ -204,8 +204,8 @@ void small_m(const float* x, int64_t M, int64_t K, const T* w, int64_t N, const 
   const int64_t tasks = std::min<int64_t>(threads, (blocks + chunk - 1) / chunk);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
-    std::vector<float> buf;
-    if (M > kRowsX) buf.resize(kRowsW * K);
+    thread_local std::vector<float> buf;  // per pool thread, grown once; convert_rows fills it before use
+    if (M > kRowsX && buf.size() < static_cast<size_t>(kRowsW * K)) buf.resize(kRowsW * K);
     for (int64_t b0; (b0 = next.fetch_add(chunk, std::memory_order_relaxed)) < blocks;)
       run(b0, std::min(blocks, b0 + chunk), buf);
   });
@@ -226,15 +226,9 @@ void large_m(const at::Tensor& x2, const T* w, int64_t N, int64_t K, const float
       convert_rows(w + (n0 + r0) * K, r1 - r0, K, scale ? scale + n0 + r0 : nullptr, wt_p + r0 * K);
     });
     at::Tensor wn = wt.narrow(0, 0, nn);
-    at::Tensor yn = y.narrow(1, n0, nn);
-    if (nn == N) {  // the whole product at once, straight into y
-      if (bias.has_value()) at::addmm_out(y, *bias, x2, wn.t());
-      else at::mm_out(y, x2, wn.t());
-    } else if (bias.has_value()) {
-      yn.copy_(at::addmm(bias->narrow(0, n0, nn), x2, wn.t()));
-    } else {
-      yn.copy_(at::mm(x2, wn.t()));
-    }
+    at::Tensor yn = y.narrow(1, n0, nn);  // columns of y: a BLAS-compatible strided output
+    if (bias.has_value()) at::addmm_out(yn, bias->narrow(0, n0, nn), x2, wn.t());
+    else at::mm_out(yn, x2, wn.t());
   }
 }
 
