@@ -274,14 +274,14 @@ def _cache_lines(doc: dict[str, Any]) -> list[str]:
     """Prefix-cache hits the server reported: wanted with shared prefixes, a warning otherwise
     (random prompts repeat for the same --seed, so an earlier run can warm the cache for this one)."""
     ds = doc["dataset"]
-    intended = bool(ds.get("prefix_len")) or ds.get("name") == "shared-prefix"
+    unintended = ds.get("name") == "random" and not ds.get("prefix_len")  # shared prefixes are meant to hit
     lines = []
     for run in doc["runs"]:
         s = run["summary"]
         if s.get("cached_prompt_tokens"):
             line = (f"{run['label']}: the server reused {s['cached_prompt_tokens']:,} of {s['total_input_tokens']:,} "
                     f"prompt tokens from its prefix cache ({s['cached_requests']} requests)")
-            if not intended and ds.get("name") == "random":
+            if unintended:
                 line += "; random prompts repeat for the same --seed, so an earlier run may have warmed the cache (try another --seed)"
             lines.append(line)
     return lines

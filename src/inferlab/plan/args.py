@@ -16,6 +16,7 @@ from inferlab.plan.hardware import (
 )
 from inferlab.plan.model_spec import ModelSpec, builtin_model_names, load_model_spec
 from inferlab.plan.planner import PlanInputs, Workload
+from inferlab.plan.precision import parse_precision
 
 DEFAULT_INPUT_LEN = 1024
 DEFAULT_OUTPUT_LEN = 256
@@ -123,7 +124,9 @@ def plan_inputs(args: argparse.Namespace, model: ModelSpec, hardware: HardwareSp
         workload=workload,
         weight_precision=args.weight_dtype,
         kv_precision=args.kv_dtype,
-        compute_precision=args.compute_dtype or auto_compute_precision(hardware),
+        # Any name --weight-dtype takes (float32 = fp32): the hardware's rates are keyed by canonical names.
+        compute_precision=(parse_precision(args.compute_dtype).name if args.compute_dtype
+                           else auto_compute_precision(hardware)),
         usd_per_hour=args.usd_per_hour,
         reserve_fraction=args.reserve,
         reserve_bytes=parse_size(args.reserve_bytes),
