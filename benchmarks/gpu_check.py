@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from inferlab import LLM, SamplingParams  # noqa: E402
 from inferlab.models.attention import meta_to  # noqa: E402
+from inferlab.plan.roofline import kv_bytes_per_token, mean_decode_context  # noqa: E402
 
 LLAMA_31_8B = {  # meta-llama/Llama-3.1-8B's config.json (public), less the fields we do not read
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -111,16 +112,19 @@ def run_8b(work: Path, bandwidth: float) -> dict:
               max_num_batched_tokens=8192, kv_cache_memory=16 << 30)
     load_s = time.perf_counter() - t
     runner = llm.engine.runner
-    weight_bytes = runner.model.weight_nbytes
-    kv_per_token = 2 * 32 * 8 * 128 * 2
+    m = runner.model
+    # What a decode step reads: every weight but the untied input embedding (a few rows a step).
+    weight_bytes = m.weight_nbytes - (m.embed.nbytes if m.lm_head is not m.embed else 0)
+    kv_per_token = kv_bytes_per_token(32, 8, 128, 2)
+    ctx = mean_decode_context(128, 128)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1000, 120000, (128,), generator=g).tolist() for _ in range(64)]
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
     _, one = _decode_rate(llm.generate(prompts[:1], params))
     total, per64 = _decode_rate(llm.generate(prompts, params))
-    floor1 = (weight_bytes + 192 * kv_per_token) / bandwidth  # mean context of a 128 + 128 request
-    floor64 = (weight_bytes + 64 * 192 * kv_per_token) / bandwidth
+    floor1 = (weight_bytes + ctx * kv_per_token) / bandwidth
+    floor64 = (weight_bytes + 64 * ctx * kv_per_token) / bandwidth
     graphs = {b: graph_step(llm, prompts[:b]) for b in (1, 64)}
     return {
         "load_s": load_s, "weight_bytes": weight_bytes,

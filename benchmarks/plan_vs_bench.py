@@ -152,8 +152,10 @@ def free_port() -> int:
 
 
 def start_server(port: int, args: argparse.Namespace, log: Log) -> subprocess.Popen:
+    # float32 weights, as the plan side assumes (`--weight-dtype fp32`) and as the results were
+    # measured: since the CPU kernels, `serve` would store float16 on an AVX2 machine.
     cmd = inferlab("serve", "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(args.max_num_seqs),
-                   "--log-level", "warning")
+                   "--log-level", "warning", "--weight-dtype", "float32")
     if args.model:
         cmd += ["--model", args.model]
     log.cmd(cmd)
@@ -349,7 +351,7 @@ def main() -> int:
     profile = args.profile
     if profile is None:
         profile = str(work / "profile.json")
-        cmd = inferlab("simulate", "--calibrate-engine", "--profile-out", profile,
+        cmd = inferlab("simulate", "--calibrate-engine", "--weight-dtype", "fp32", "--profile-out", profile,
                        "--profile-repeats", str(args.profile_repeats))
         if args.model:
             cmd += ["--model", args.model]

@@ -29,6 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from inferlab import LLM, SamplingParams
 from inferlab.plan.measure import measure_cpu
+from inferlab.plan.roofline import attention_pairs, kv_bytes_per_token
 
 BUCKETS = {
     "matmul": ("aten::mm", "aten::addmm", "aten::linear", "aten::bmm", "aten::matmul", "mkl", "mkldnn",
@@ -79,7 +80,7 @@ def profile_steps(llm: LLM, prompts: list[list[int]], max_tokens: int, steps: in
             total = time.perf_counter() - t
     finally:
         eng.scheduler.schedule, eng.output_processor.process, eng.runner.sampler = sched, proc, sampler
-        eng.abort_request([r for r in list(eng.output_processor.requests)])
+        eng.abort_request(list(eng.output_processor.requests))
         while eng.has_unfinished_requests():
             eng.step()
     ops: dict[str, float] = defaultdict(float)
@@ -95,42 +96,42 @@ def profile_steps(llm: LLM, prompts: list[list[int]], max_tokens: int, steps: in
 
 
 def weight_bytes(model) -> int:
-    """Bytes of the linear layers' weights as stored (what a decode step reads once), plus the
-    lm_head when it is its own tensor; the embedding's few rows per step are left out."""
-    total = 0
-    for layer in model.layers:
-        for w in vars(layer).values():
-            total += int(getattr(w, "nbytes", 0) or 0)
-    head = getattr(model, "lm_head", None)
-    total += int(getattr(head, "nbytes", 0) or 0)
-    return total
+    """Bytes a decode step reads of the weights as stored: everything the model holds, less an
+    untied embedding table (a step gathers only a few of its rows)."""
+    return model.weight_nbytes - (model.embed.nbytes if model.lm_head is not model.embed else 0)
 
 
-def roofs(llm: LLM, bandwidth: float, flops: float) -> tuple[dict[str, float], int]:
+def mean_context(prompt_len: int, decodes_before: int, steps: int) -> float:
+    """Mean tokens attended over `steps` measured decode steps that follow a prompt of
+    `prompt_len` and `decodes_before` unmeasured decode steps (each step attends one more)."""
+    return prompt_len + decodes_before + 1 + (steps - 1) / 2
+
+
+def roofs(llm: LLM, bandwidth: float, flops: float, steps: int) -> tuple[dict[str, float], int]:
     """Seconds per step at the machine's roof, per case of `main` (see the module docstring):
     the larger of the bytes over the bandwidth and the FLOPs over the matmul rate (at 32
-    sequences the compute roof binds on this CPU). Also the weight bytes."""
+    sequences the compute roof binds on this CPU, in a prefill always). Also the weight bytes."""
     mc = llm.engine.model_config
-    kv_elem = llm.engine.runner.kv_caches[0][0].element_size()
-    kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * kv_elem
+    kv_per_token = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                                      llm.engine.runner.kv_caches[0][0].element_size())
     wb = weight_bytes(llm.engine.runner.model)
     layer_params = (mc.hidden_size * (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
                     + mc.num_heads * mc.head_dim * mc.hidden_size + 3 * mc.hidden_size * mc.intermediate_size)
     head_flops = 2 * mc.vocab_size * mc.hidden_size  # once per sampled token
     attn_per_pair = 4 * mc.num_layers * mc.num_heads * mc.head_dim
 
-    def decode(batch: int, ctx: int) -> float:
-        memory = (wb + batch * ctx * kv_per_token) / bandwidth
-        compute = (batch * (2 * mc.num_layers * layer_params + head_flops) + attn_per_pair * batch * ctx) / flops
+    def roof(tokens: int, sampled: int, pairs: float, kv_tokens: float) -> float:
+        memory = (wb + kv_tokens * kv_per_token) / bandwidth
+        compute = (tokens * 2 * mc.num_layers * layer_params + sampled * head_flops + attn_per_pair * pairs) / flops
         return max(memory, compute)
 
+    # The cases' shapes (see main): decodes measured after 1 and 2 unmeasured decode steps.
+    ctx1, ctx32 = mean_context(128, 1, steps), mean_context(256, 2, steps)
     return {
-        "decode, batch 1 (ctx ~140)": decode(1, 160),
-        "decode, batch 32 (ctx ~280)": decode(32, 290),
-        "prefill, 512 tokens": (512 * 2 * mc.num_layers * layer_params + head_flops
-                                + attn_per_pair * 512 * 513 / 2) / flops,
-        "prefill, 8 x 256 tokens": (2048 * 2 * mc.num_layers * layer_params + 8 * head_flops
-                                    + attn_per_pair * 8 * 256 * 257 / 2) / flops,
+        "decode, batch 1 (ctx ~140)": roof(1, 1, ctx1, ctx1),
+        "decode, batch 32 (ctx ~280)": roof(32, 32, 32 * ctx32, 32 * ctx32),
+        "prefill, 512 tokens": roof(512, 1, attention_pairs(0, 512), 0),
+        "prefill, 8 x 256 tokens": roof(2048, 8, 8 * attention_pairs(0, 256), 0),
     }, wb
 
 
@@ -156,7 +157,7 @@ def main() -> None:
         "prefill, 8 x 256 tokens": ([prompt(256) for _ in range(8)], 1, 0),  # a step of 32 clients' prompts
     }
     hw = measure_cpu(array_mib=512, repeats=5)
-    roof, wb = roofs(llm, hw.memory_bandwidth, hw.flops["fp32"])
+    roof, wb = roofs(llm, hw.memory_bandwidth, hw.flops["fp32"], args.steps)
     print(f"model {llm.engine.model_name}, dtype {llm.engine.runner.dtype}, weights {wb / 1e6:.0f} MB as stored, "
           f"threads {torch.get_num_threads()}, load avg {os.getloadavg()[0]:.2f}; measured here: "
           f"{hw.memory_bandwidth / 1e9:.1f} GB/s read, {hw.flops['fp32'] / 1e9:.0f} GFLOP/s float32 matmul")
