@@ -66,7 +66,7 @@ def load() -> bool:
         reason = _why_not()
         if reason is None:
             sources = sorted(CSRC.glob("*.cpp"))
-            build_dir = _cache_dir(sources)
+            build_dir = _cache_dir(sources + sorted(CSRC.glob("*.h")))  # a changed header rebuilds too
             build_dir.mkdir(parents=True, exist_ok=True)
             try:
                 from torch.utils.cpp_extension import load as cpp_load

@@ -30,6 +30,8 @@
 
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -47,30 +49,7 @@ constexpr int kRowsX = 3;  // rows of x per micro-kernel call: 3 x 4 = 12 of the
 // keep enough lines in flight for 4 interleaved row streams).
 constexpr int64_t kPrefetchBytes = 4096;
 
-// ---- 8 weights -> 8 float32 lanes ------------------------------------------------------------
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-inline __m256 load8(const at::BFloat16* p) {  // bfloat16 is the top half of a float32
-  __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-}
-inline __m256 load8(const int8_t* p) {
-  __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
-}
-inline float to_float(float v) { return v; }
-inline float to_float(at::Half v) { return static_cast<float>(v); }
-inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
-inline float to_float(int8_t v) { return static_cast<float>(v); }
-
-inline float hsum(__m256 a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using namespace inferlab_simd;  // load8, to_float, hsum
 
 // The four sums of a0..a3, in one register: fewer shuffles than four hsum calls.
 inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
