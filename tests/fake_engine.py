@@ -215,7 +215,9 @@ class FakeEngine:
     def step(self) -> list[RequestOutput]:
         self.thread_ids.add(threading.get_ident())
         self.num_steps += 1
-        if self.fail_next_steps > 0:
+        # Only a step that carries requests fails: an idle step the engine loop takes right after
+        # a failure must not use up the failure a test armed for its next request.
+        if self.fail_next_steps > 0 and (self._waiting or self._running):
             self.fail_next_steps -= 1
             raise RuntimeError("injected engine failure")
         outputs, self._pending = self._pending, []
