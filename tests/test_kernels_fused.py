@@ -90,6 +90,7 @@ def tiny_llama(tmp_path_factory):
 
 def _generate(path, monkeypatch, fused: bool):
     monkeypatch.setattr(decoder, "USE_FUSED_OPS", fused)
+    monkeypatch.setattr(decoder, "USE_DECODE_STEP", False)  # decode steps too go through the operators here
     calls = []
     real = decoder.DecoderModel._forward_fused
 

@@ -18,14 +18,16 @@ import torch.nn.functional as F
 
 from inferlab.config import ModelConfig
 from inferlab.kernels import build as kernels_build
-from inferlab.kernels.linear import DenseLinear, WeightOnlyLinear, make_linear
+from inferlab.kernels.linear import MKL_MIN_ROWS, DenseLinear, WeightOnlyLinear, make_linear
 from inferlab.models.attention import AttentionMetadata, paged_attention
 from inferlab.models.rope import apply_rope, rope_cache
 
 log = logging.getLogger(__name__)
 
-# Tests set this to False to run the plain-operator forward while the kernels are built.
+# Tests set these to False to run the per-operator (or plain-operator) forward while the kernels
+# are built.
 USE_FUSED_OPS = True
+USE_DECODE_STEP = True
 
 Linear = DenseLinear | WeightOnlyLinear
 
@@ -112,6 +114,10 @@ class DecoderModel:
         # straight after the qkv product, which a per-head q/k norm (Qwen3) would have to precede.
         self.fused_ok = (dtype == torch.float32 and device.type == "cpu" and not c.qk_norm
                          and kernels_build.available())
+        # The whole-step decode kernel (kernels/csrc/decoder_step.cpp) applies the q/k norm itself.
+        self.step_ok = dtype == torch.float32 and device.type == "cpu" and kernels_build.available()
+        self._step: object | None = None  # torch.classes.inferlab.DecoderStep, built on first use
+        self._step_caches: list | None = None
         log.info("%s", self.describe_precision())
 
     def describe_precision(self) -> str:
@@ -148,10 +154,18 @@ class DecoderModel:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
+        g = meta.decode
+        t = input_ids.shape[0]
+        if (USE_DECODE_STEP and self.step_ok and meta.num_decode_tokens == t and t < MKL_MIN_ROWS
+                and g is not None and g.block_tables is not None):
+            # A decode-only step (most steps): every layer in one kernel call. From MKL_MIN_ROWS
+            # rows on, the per-operator path's GEMMs are faster than the decode micro-kernel.
+            x = self.embed.rows(input_ids).contiguous()  # a fresh tensor: the step updates it in place
+            step = self._decode_step(kv_caches, g.block_size)
+            return step.forward(x, positions, meta.slot_mapping, g.block_tables, g.context_lens)
         if USE_FUSED_OPS and self.fused_ok:
             return self._forward_fused(input_ids, positions, kv_caches, meta)
         c = self.config
-        t = input_ids.shape[0]
         x = self.embed.rows(input_ids)
         cos = self.cos.index_select(0, positions).unsqueeze(1)
         sin = self.sin.index_select(0, positions).unsqueeze(1)
@@ -202,6 +216,30 @@ class DecoderModel:
         if delta is None:  # pragma: no cover - a model has layers
             return self._norm(x, self.final_norm)
         return ops.add_rms_norm_(x, delta, self.final_norm, eps)
+
+    def _decode_step(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int):
+        """The DecoderStep over these caches, built once (it holds references to the weights and
+        the caches, not copies)."""
+        if self._step is None or self._step_caches is not kv_caches:
+            c = self.config
+            none = torch.empty(0)
+
+            def lin(x: Linear) -> list[torch.Tensor]:
+                scale = x.scale if isinstance(x, WeightOnlyLinear) else None
+                return [x.weight, none if scale is None else scale]
+
+            tensors: list[torch.Tensor] = []
+            for layer in self.layers:
+                qkv_bias = layer.qkv.bias
+                tensors += [layer.input_norm, *lin(layer.qkv), none if qkv_bias is None else qkv_bias.float(),
+                            none if layer.q_norm is None else layer.q_norm,
+                            none if layer.k_norm is None else layer.k_norm,
+                            *lin(layer.o), layer.post_norm, *lin(layer.gate_up), *lin(layer.down)]
+            self._step = torch.classes.inferlab.DecoderStep(
+                tensors, self.final_norm, self.cos, self.sin, [k for k, _ in kv_caches], [v for _, v in kv_caches],
+                [c.num_heads, c.num_kv_heads, c.head_dim, block_size], c.rms_norm_eps, self.scale)
+            self._step_caches = kv_caches
+        return self._step
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the given hidden rows."""

@@ -26,224 +26,13 @@
 
 #include <immintrin.h>
 
-#include "simd.h"
+#include "attention.h"
 
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <vector>
 
 namespace {
 
-using namespace inferlab_simd;  // load8, to_float, hsum
-
-// exp(x) for x <= 0 (scores minus their max): Cody-Waite range reduction x = n ln2 + r,
-// |r| <= ln2/2, a degree-7 Taylor polynomial (relative error < 1e-8 on that range), times 2^n.
-// Inputs below -87 are clamped; their exp is < 2e-38 of the largest term, i.e. nothing.
-inline __m256 exp_nonpos(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-inline float hmax(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// The 8 dot products q . rows[j] as one vector: 8 accumulators, then a transposing hadd tree
-// (one reduction per 8 dots instead of one per dot). DC > 0: head_dim = DC (compile time).
-template <typename T, int DC>
-inline __m256 dot8(const float* q, const T* const* rows, int d) {
-  const int nd = DC > 0 ? DC : d;
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-  int c = 0;
-  for (; c + 8 <= nd; c += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + c);
-    a0 = _mm256_fmadd_ps(qv, load8(rows[0] + c), a0);
-    a1 = _mm256_fmadd_ps(qv, load8(rows[1] + c), a1);
-    a2 = _mm256_fmadd_ps(qv, load8(rows[2] + c), a2);
-    a3 = _mm256_fmadd_ps(qv, load8(rows[3] + c), a3);
-    a4 = _mm256_fmadd_ps(qv, load8(rows[4] + c), a4);
-    a5 = _mm256_fmadd_ps(qv, load8(rows[5] + c), a5);
-    a6 = _mm256_fmadd_ps(qv, load8(rows[6] + c), a6);
-    a7 = _mm256_fmadd_ps(qv, load8(rows[7] + c), a7);
-  }
-  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-  __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
-  if (DC <= 0 && c < nd) {  // a head_dim that is not a multiple of 8
-    alignas(32) float tail[8];
-    for (int j = 0; j < 8; ++j) {
-      float t = 0.f;
-      for (int i = c; i < nd; ++i) t += q[i] * to_float(rows[j][i]);
-      tail[j] = t;
-    }
-    s = _mm256_add_ps(s, _mm256_load_ps(tail));
-  }
-  return s;
-}
-
-// acc[0..nd) += sum_j p[j] * rows[j][0..nd) for n rows; 8 vectors (64 floats) of acc in
-// registers at a time, the rows (already in L1 from the first head) streamed past them.
-template <typename T, int DC>
-inline void accumulate_rows(float* acc, const float* p, const T* const* rows, int n, int d) {
-  const int nd = DC > 0 ? DC : d;
-  int c = 0;
-  for (; c + 64 <= nd; c += 64) {
-    __m256 a0 = _mm256_loadu_ps(acc + c), a1 = _mm256_loadu_ps(acc + c + 8);
-    __m256 a2 = _mm256_loadu_ps(acc + c + 16), a3 = _mm256_loadu_ps(acc + c + 24);
-    __m256 a4 = _mm256_loadu_ps(acc + c + 32), a5 = _mm256_loadu_ps(acc + c + 40);
-    __m256 a6 = _mm256_loadu_ps(acc + c + 48), a7 = _mm256_loadu_ps(acc + c + 56);
-    for (int j = 0; j < n; ++j) {
-      const __m256 pv = _mm256_set1_ps(p[j]);
-      const T* r = rows[j] + c;
-      a0 = _mm256_fmadd_ps(pv, load8(r), a0);
-      a1 = _mm256_fmadd_ps(pv, load8(r + 8), a1);
-      a2 = _mm256_fmadd_ps(pv, load8(r + 16), a2);
-      a3 = _mm256_fmadd_ps(pv, load8(r + 24), a3);
-      a4 = _mm256_fmadd_ps(pv, load8(r + 32), a4);
-      a5 = _mm256_fmadd_ps(pv, load8(r + 40), a5);
-      a6 = _mm256_fmadd_ps(pv, load8(r + 48), a6);
-      a7 = _mm256_fmadd_ps(pv, load8(r + 56), a7);
-    }
-    _mm256_storeu_ps(acc + c, a0);
-    _mm256_storeu_ps(acc + c + 8, a1);
-    _mm256_storeu_ps(acc + c + 16, a2);
-    _mm256_storeu_ps(acc + c + 24, a3);
-    _mm256_storeu_ps(acc + c + 32, a4);
-    _mm256_storeu_ps(acc + c + 40, a5);
-    _mm256_storeu_ps(acc + c + 48, a6);
-    _mm256_storeu_ps(acc + c + 56, a7);
-  }
-  for (; c + 8 <= nd; c += 8) {
-    __m256 a = _mm256_loadu_ps(acc + c);
-    for (int j = 0; j < n; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), load8(rows[j] + c), a);
-    _mm256_storeu_ps(acc + c, a);
-  }
-  for (; c < nd; ++c) {
-    float a = acc[c];
-    for (int j = 0; j < n; ++j) a += p[j] * to_float(rows[j][c]);
-    acc[c] = a;
-  }
-}
-
-constexpr int kTile = 32;  // V rows per tile in pass 2: 8 KiB at D=64 fp32, stays in L1
-
-// Blocks sit anywhere in the cache (4 KiB per block and head at D=64 fp32), and one core reading
-// one random 4 KiB run after another gets a third of its streaming bandwidth: the hardware
-// prefetcher restarts at each run. So a task walks its context as kStreams interleaved
-// sequential streams (row i of segment 0, row i of segment 1, ...): the prefetcher follows
-// all of them at once. Measured on this machine (1 thread, 30 layers, batch 32): 25-30% less
-// time than walking the context in order; software prefetch alone gained nothing measurable.
-// Softmax and the weighted sum do not care about the order (only fp32 rounding does).
-constexpr int kStreams = 8;
-
-// Software prefetch of one row (every cache line of it), a little ahead of its use.
-template <typename T>
-inline void prefetch_row(const T* p, int64_t d) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
-}
-
-// Scratch reused across tasks on one thread (sized to the longest context seen).
-struct Scratch {
-  std::vector<int64_t> lin;    // element offset of context position t's row within a head
-  std::vector<int64_t> offs;   // the same offsets in the interleaved visiting order
-  std::vector<float> scores;   // [G][Lp] scores, then probabilities
-  std::vector<float> qf;       // [G][D] scaled query, fp32
-  std::vector<float> acc;      // [G][D]
-  std::vector<float> inv;      // [G] 1 / softmax denominator
-};
-
-// One (sequence, KV head): T is the cache's element type, Q the query's and output's.
-template <typename T, typename Q, int DC>
-void decode_task(const Q* q, const T* kc, const T* vc, const int32_t* table, int64_t len, int64_t bs, int64_t d,
-                 int64_t g_heads, float scale, Q* out, Scratch& s) {
-  const int64_t lp = (len + 7) / 8 * 8;
-  s.offs.resize(lp);
-  s.scores.resize(g_heads * lp);
-  s.qf.resize(g_heads * d);
-  s.acc.assign(g_heads * d, 0.f);
-  s.lin.resize(len);
-  int64_t* lin = s.lin.data();
-  for (int64_t t = 0, blk = 0; t < len; ++blk) {
-    const int64_t base = static_cast<int64_t>(table[blk]) * bs * d;
-    for (int64_t o = 0; o < bs && t < len; ++o, ++t) lin[t] = base + o * d;
-  }
-  // Visiting order: segment st covers positions [st * seg, (st + 1) * seg); step i visits
-  // row i of every segment. Scores and probabilities stay in this order throughout.
-  int64_t* offs = s.offs.data();
-  const int64_t seg = (len + kStreams - 1) / kStreams;
-  int64_t k = 0;
-  for (int64_t i = 0; i < seg; ++i)
-    for (int64_t p = i; p < len; p += seg) offs[k++] = lin[p];
-  for (int64_t t = len; t < lp; ++t) offs[t] = offs[len - 1];  // padding re-reads the last row
-  for (int64_t i = 0; i < g_heads * d; ++i) s.qf[i] = to_float(q[i]) * scale;
-
-  // Pass 1: scores[g][t] = (scale q_g) . k_t  (t in visiting order)
-  float* sc = s.scores.data();
-  const T* rows[8];
-  for (int64_t t0 = 0; t0 < lp; t0 += 8) {
-    for (int j = 0; j < 8; ++j) rows[j] = kc + offs[t0 + j];
-    if (t0 + 16 < lp)
-      for (int j = 0; j < 8; ++j) prefetch_row(kc + offs[t0 + 16 + j], d);
-    for (int64_t g = 0; g < g_heads; ++g)
-      _mm256_storeu_ps(sc + g * lp + t0, dot8<T, DC>(s.qf.data() + g * d, rows, static_cast<int>(d)));
-  }
-
-  // Softmax per head over the len valid scores (the padding lanes are zeroed).
-  s.inv.resize(g_heads);
-  float* inv = s.inv.data();
-  for (int64_t g = 0; g < g_heads; ++g) {
-    float* r = sc + g * lp;
-    const int64_t full = len / 8 * 8;
-    __m256 mv = _mm256_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < full; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(r + t));
-    float m = hmax(mv);
-    for (int64_t t = full; t < len; ++t) m = std::max(m, r[t]);
-    const __m256 mb = _mm256_set1_ps(m);
-    __m256 sv = _mm256_setzero_ps();
-    for (int64_t t = 0; t < lp; t += 8) {
-      __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(r + t), mb));
-      if (t + 8 > len) {  // the last, partial group: keep only the valid lanes
-        alignas(32) float tmp[8];
-        _mm256_store_ps(tmp, e);
-        for (int64_t j = len - t; j < 8; ++j) tmp[j] = 0.f;
-        e = _mm256_load_ps(tmp);
-      }
-      _mm256_storeu_ps(r + t, e);
-      sv = _mm256_add_ps(sv, e);
-    }
-    inv[g] = 1.0f / hsum(sv);
-  }
-
-  // Pass 2: acc[g] = sum_t p[g][t] v_t, a tile of V rows at a time, reused for every head.
-  const T* vrows[kTile];
-  for (int64_t t0 = 0; t0 < len; t0 += kTile) {
-    const int n = static_cast<int>(std::min<int64_t>(kTile, len - t0));
-    for (int j = 0; j < n; ++j) vrows[j] = vc + offs[t0 + j];
-    for (int64_t j = t0 + kTile; j < std::min<int64_t>(t0 + 2 * kTile, len); ++j) prefetch_row(vc + offs[j], d);
-    for (int64_t g = 0; g < g_heads; ++g)
-      accumulate_rows<T, DC>(s.acc.data() + g * d, sc + g * lp + t0, vrows, n, static_cast<int>(d));
-  }
-  for (int64_t g = 0; g < g_heads; ++g)
-    for (int64_t i = 0; i < d; ++i) out[g * d + i] = static_cast<Q>(s.acc[g * d + i] * inv[g]);
-}
+using namespace inferlab_attention;  // decode_heads, Scratch, check_tables
 
 template <typename T, typename Q>
 void decode_all(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& tables,
@@ -269,37 +58,9 @@ void decode_all(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
       const T* vbase = vp + kh * slots * d;
       const Q* qi = qp + (i * h + kh * g_heads) * d;
       Q* oi = op + (i * h + kh * g_heads) * d;
-      const float sc = static_cast<float>(scale);
-      if (d == 64)
-        decode_task<T, Q, 64>(qi, kbase, vbase, tp + i * maxb, lp[i], bs, d, g_heads, sc, oi, s);
-      else if (d == 128)
-        decode_task<T, Q, 128>(qi, kbase, vbase, tp + i * maxb, lp[i], bs, d, g_heads, sc, oi, s);
-      else
-        decode_task<T, Q, 0>(qi, kbase, vbase, tp + i * maxb, lp[i], bs, d, g_heads, sc, oi, s);
+      decode_heads<T, Q>(qi, kbase, vbase, tp + i * maxb, lp[i], bs, d, g_heads, static_cast<float>(scale), oi, s);
     }
   });
-}
-
-// Every context length and every block a context uses, checked once before the threads start
-// (in the caller's index dtype, so an int64 id past int32 cannot wrap into a valid one).
-template <typename I>
-void check_tables(const at::Tensor& tables, const at::Tensor& lens, int64_t bs, int64_t slots) {
-  const I* tp = tables.data_ptr<I>();
-  const I* lp = lens.data_ptr<I>();
-  const int64_t b = tables.size(0), maxb = tables.size(1);
-  for (int64_t i = 0; i < b; ++i) {
-    const int64_t len = lp[i];
-    TORCH_CHECK_VALUE(len >= 1, "paged_attention_decode: context_lens[", i, "] is ", len,
-                      "; a decode query attends to at least its own token");
-    TORCH_CHECK_VALUE(len <= maxb * bs, "paged_attention_decode: context_lens[", i, "] = ", len,
-                      " needs more than the ", maxb, " blocks of ", bs, " in its block table row");
-    const int64_t need = (len + bs - 1) / bs;
-    for (int64_t j = 0; j < need; ++j) {
-      const int64_t blk = tp[i * maxb + j];
-      TORCH_CHECK_VALUE(blk >= 0 && (blk + 1) * bs <= slots, "paged_attention_decode: block_tables[", i, ", ", j,
-                        "] = ", blk, " is outside the cache's ", slots / bs, " blocks");
-    }
-  }
 }
 
 template <typename T>
@@ -348,13 +109,15 @@ at::Tensor paged_attention_decode(const at::Tensor& q_in, const at::Tensor& k_ca
                     "paged_attention_decode: context_lens must be int32 or int64");
   const at::Tensor q = q_in.contiguous();
   at::Tensor tables = block_tables_in.contiguous();
-  at::Tensor lens = context_lens_in.to(it).contiguous();
+  at::Tensor lens = context_lens_in.contiguous();
   at::Tensor out = at::empty_like(q);
   if (b == 0) return out;
-  if (it == at::kInt) {
-    check_tables<int32_t>(tables, lens, block_size, k_cache.size(1));
-  } else {  // checked, so the narrowing below is exact
-    check_tables<int64_t>(tables, lens, block_size, k_cache.size(1));
+  if (it == at::kInt && lens.scalar_type() == at::kInt) {
+    check_tables<int32_t>(tables, lens, block_size, k_cache.size(1), "paged_attention_decode");
+  } else {  // checked in int64, so the narrowing below is exact
+    tables = tables.to(at::kLong);
+    lens = lens.to(at::kLong);
+    check_tables<int64_t>(tables, lens, block_size, k_cache.size(1), "paged_attention_decode");
     tables = tables.to(at::kInt);
     lens = lens.to(at::kInt);
   }

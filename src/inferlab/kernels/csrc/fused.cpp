@@ -16,11 +16,15 @@
 
 #include <immintrin.h>
 
+#include "rows.h"
+
 #include <cmath>
 #include <cstring>
 #include <tuple>
 
 namespace {
+
+using namespace inferlab_rows;  // rms_norm_row, rope_row, silu_mul_row
 
 void check_f32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
@@ -44,25 +48,11 @@ at::Tensor add_rms_norm_(at::Tensor x, const at::Tensor& residual, const at::Ten
     for (int64_t i = begin; i < end; ++i) {
       float* xr = xp + i * n;
       const float* rr = rp + i * n;
-      float ss = 0.f;
-      for (int64_t j = 0; j < n; ++j) {
-        const float v = xr[j] + rr[j];
-        xr[j] = v;
-        ss += v * v;
-      }
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + feps);
-      float* orow = op + i * n;
-      for (int64_t j = 0; j < n; ++j) orow[j] = xr[j] * inv * wp[j];
+      for (int64_t j = 0; j < n; ++j) xr[j] += rr[j];
+      rms_norm_row(xr, wp, n, feps, op + i * n);
     }
   });
   return out;
-}
-
-// out[j] = x[j] * c[j] + rot(x)[j] * s[j], rot(x) = [-x2, x1] (Hugging Face's rotate-half).
-inline void rope_row(const float* x, const float* c, const float* s, float* out, int64_t d) {
-  const int64_t h = d / 2;
-  for (int64_t j = 0; j < h; ++j) out[j] = x[j] * c[j] - x[j + h] * s[j];
-  for (int64_t j = h; j < d; ++j) out[j] = x[j] * c[j] + x[j - h] * s[j];
 }
 
 std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
@@ -121,28 +111,6 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at
   return {q, k};
 }
 
-// exp on 8 floats: Cody-Waite range reduction and Cephes' degree-5 polynomial (~1 ulp), the
-// input clamped to [-87, 88] so 2^n stays a normal float. gcc does not vectorise std::exp, and
-// a scalar exp per element made silu_mul 3x slower than torch's at 2,048 rows.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-inline float silu(float g) { return g / (1.f + std::exp(-g)); }
-
 at::Tensor silu_mul(const at::Tensor& x) {
   check_f32(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "x must be [M, 2 * I]");
@@ -151,19 +119,7 @@ at::Tensor silu_mul(const at::Tensor& x) {
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
-    const __m256 one = _mm256_set1_ps(1.0f);
-    for (int64_t i = begin; i < end; ++i) {
-      const float* g = xp + i * 2 * n;
-      const float* u = g + n;
-      float* o = op + i * n;
-      int64_t j = 0;
-      for (; j + 8 <= n; j += 8) {  // g * u / (1 + exp(-g))
-        const __m256 gv = _mm256_loadu_ps(g + j);
-        const __m256 den = _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
-        _mm256_storeu_ps(o + j, _mm256_div_ps(_mm256_mul_ps(gv, _mm256_loadu_ps(u + j)), den));
-      }
-      for (; j < n; ++j) o[j] = silu(g[j]) * u[j];
-    }
+    for (int64_t i = begin; i < end; ++i) silu_mul_row(xp + i * 2 * n, xp + i * 2 * n + n, n, op + i * n);
   });
   return out;
 }

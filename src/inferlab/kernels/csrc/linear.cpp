@@ -30,7 +30,7 @@
 
 #include <immintrin.h>
 
-#include "simd.h"
+#include "matvec.h"
 
 #include <algorithm>
 #include <atomic>
@@ -41,134 +41,26 @@
 
 namespace {
 
-constexpr int kRowsW = 4;  // weight rows per block (one horizontal reduction handles 4 sums)
-constexpr int kRowsX = 3;  // rows of x per micro-kernel call: 3 x 4 = 12 of the 16 ymm registers
-// How far ahead of the reads the weight stream is prefetched. A block's rows are contiguous and
-// consecutive blocks too, so the stream is linear: measured on one core of this EPYC, it takes
-// int8 from 6.4 to 14 GB/s and float16 from 11 to 13 GB/s (the hardware prefetcher alone does not
-// keep enough lines in flight for 4 interleaved row streams).
-constexpr int64_t kPrefetchBytes = 4096;
-
-using namespace inferlab_simd;  // load8, to_float, hsum
-
-// The four sums of a0..a3, in one register: fewer shuffles than four hsum calls.
-inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-  __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-}
-
-// out[i][j] = dot(x row i, w row j) over K, for MB rows of x and NB (4 or 1) rows of w.
-// Weights read from memory (not float32: those come from our L1 buffer) are prefetched
-// kPrefetchBytes ahead, as one linear stream over the block (w .. w + NB * K).
-template <int MB, int NB, typename T>
-inline void dot_tile(const float* x, int64_t ldx, const T* w, int64_t ldw, int64_t K, float out[][kRowsW]) {
-  constexpr bool kStream = !std::is_same_v<T, float>;
-  constexpr int kStepBytes = NB * 8 * sizeof(T);  // weight bytes one k-step consumes
-  const char* pf = reinterpret_cast<const char*>(w) + kPrefetchBytes;
-  __m256 acc[MB][NB];
-#pragma GCC unroll 4
-  for (int i = 0; i < MB; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    if constexpr (kStream) {
-#pragma GCC unroll 2
-      for (int c = 0; c < kStepBytes; c += 64) _mm_prefetch(pf + k * NB * sizeof(T) + c, _MM_HINT_T0);
-    }
-    __m256 xv[MB];
-#pragma GCC unroll 4
-    for (int i = 0; i < MB; ++i) xv[i] = _mm256_loadu_ps(x + i * ldx + k);
-#pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) {
-      const __m256 wv = load8(w + j * ldw + k);
-#pragma GCC unroll 4
-      for (int i = 0; i < MB; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < MB; ++i) {
-    if constexpr (NB == kRowsW) {
-      _mm_storeu_ps(out[i], hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
-    } else {
-      for (int j = 0; j < NB; ++j) out[i][j] = hsum(acc[i][j]);
-    }
-  }
-  for (; k < K; ++k)  // K not a multiple of 8
-    for (int i = 0; i < MB; ++i)
-      for (int j = 0; j < NB; ++j) out[i][j] += x[i * ldx + k] * to_float(w[j * ldw + k]);
-}
-
-// Rows m0 .. m0+MB of y, columns n0 .. n0+nb (nb <= 4): the products, then scale and bias.
-template <int MB, typename T>
-inline void tile_rows(const float* x, int64_t M, int64_t K, const T* w, int64_t ldw, int64_t n0, int nb,
-                      const float* scale, const float* bias, float* y, int64_t N, int64_t m0) {
-  float out[MB][kRowsW];
-  const float* xm = x + m0 * K;
-  if (nb == kRowsW) {
-    dot_tile<MB, kRowsW>(xm, K, w, ldw, K, out);
-  } else {
-    for (int j = 0; j < nb; ++j) {
-      float one[MB][kRowsW];
-      dot_tile<MB, 1>(xm, K, w + j * ldw, ldw, K, one);
-      for (int i = 0; i < MB; ++i) out[i][j] = one[i][0];
-    }
-  }
-  for (int i = 0; i < MB; ++i) {
-    float* yr = y + (m0 + i) * N + n0;
-    for (int j = 0; j < nb; ++j) {
-      float v = out[i][j];
-      if (scale) v *= scale[n0 + j];
-      if (bias) v += bias[n0 + j];
-      yr[j] = v;
-    }
-  }
-}
-
-// Every row of x against one block of nb weight rows starting at w (row n0 of W).
-template <typename T>
-inline void block_all_rows(const float* x, int64_t M, int64_t K, const T* w, int64_t ldw, int64_t n0, int nb,
-                           const float* scale, const float* bias, float* y, int64_t N) {
-  int64_t m = 0;
-  for (; m + kRowsX <= M; m += kRowsX) tile_rows<kRowsX>(x, M, K, w, ldw, n0, nb, scale, bias, y, N, m);
-  if (M - m == 2) tile_rows<2>(x, M, K, w, ldw, n0, nb, scale, bias, y, N, m);
-  if (M - m == 1) tile_rows<1>(x, M, K, w, ldw, n0, nb, scale, bias, y, N, m);
-}
-
-template <typename T>
-inline void convert_rows(const T* w, int64_t rows, int64_t K, const float* scale, float* dst) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* src = w + r * K;
-    const char* pf = reinterpret_cast<const char*>(src) + kPrefetchBytes;  // the linear stream, ahead
-    for (int64_t c = 0; c < K * int64_t(sizeof(T)); c += 64) _mm_prefetch(pf + c, _MM_HINT_T0);
-    float* d = dst + r * K;
-    const float s = scale ? scale[r] : 1.0f;
-    const __m256 sv = _mm256_set1_ps(s);
-    int64_t k = 0;
-    if (scale) {
-      for (; k + 8 <= K; k += 8) _mm256_storeu_ps(d + k, _mm256_mul_ps(load8(src + k), sv));
-    } else {
-      for (; k + 8 <= K; k += 8) _mm256_storeu_ps(d + k, load8(src + k));
-    }
-    for (; k < K; ++k) d[k] = to_float(src[k]) * s;
-  }
-}
+using namespace inferlab_matvec;  // block_dots, convert_rows, kRowsW, kRowsX
 
 // The decode path: y = x @ w^T (* scale) (+ bias) with our micro-kernel.
 template <typename T>
 void small_m(const float* x, int64_t M, int64_t K, const T* w, int64_t N, const float* scale, const float* bias,
              float* y) {
   const int64_t blocks = (N + kRowsW - 1) / kRowsW;
-  auto run = [&](int64_t b0, int64_t b1, std::vector<float>& buf) {
+  auto run = [&](int64_t b0, int64_t b1, std::vector<float>& buf, std::vector<float>& out) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * kRowsW;
       const int nb = static_cast<int>(std::min<int64_t>(kRowsW, N - n0));
-      const T* wb = w + n0 * K;
-      if (M > kRowsX) {
-        convert_rows(wb, nb, K, nullptr, buf.data());
-        block_all_rows(x, M, K, buf.data(), K, n0, nb, scale, bias, y, N);
-      } else {
-        block_all_rows(x, M, K, wb, K, n0, nb, scale, bias, y, N);
+      block_dots(x, M, K, w + n0 * K, nb, buf.data(), out.data());
+      for (int64_t i = 0; i < M; ++i) {
+        float* yr = y + i * N + n0;
+        for (int j = 0; j < nb; ++j) {
+          float v = out[i * kRowsW + j];
+          if (scale) v *= scale[n0 + j];
+          if (bias) v += bias[n0 + j];
+          yr[j] = v;
+        }
       }
     }
   };
@@ -183,10 +75,11 @@ void small_m(const float* x, int64_t M, int64_t K, const T* w, int64_t N, const 
   const int64_t tasks = std::min<int64_t>(threads, (blocks + chunk - 1) / chunk);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
-    thread_local std::vector<float> buf;  // per pool thread, grown once; convert_rows fills it before use
-    if (M > kRowsX && buf.size() < static_cast<size_t>(kRowsW * K)) buf.resize(kRowsW * K);
+    thread_local std::vector<float> buf, out;  // per pool thread, grown once; filled before use
+    if (buf.size() < static_cast<size_t>(kRowsW * K)) buf.resize(kRowsW * K);
+    if (out.size() < static_cast<size_t>(kRowsW * M)) out.resize(kRowsW * M);
     for (int64_t b0; (b0 = next.fetch_add(chunk, std::memory_order_relaxed)) < blocks;)
-      run(b0, std::min(blocks, b0 + chunk), buf);
+      run(b0, std::min(blocks, b0 + chunk), buf, out);
   });
 }
 

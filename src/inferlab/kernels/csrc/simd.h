@@ -1,5 +1,5 @@
-// AVX2 helpers shared by the kernels: 8 elements of any stored type as 8 float32 lanes, and a
-// horizontal sum. Header-only and inline; each kernel file includes it.
+// AVX2 helpers shared by the kernels: 8 elements of any stored type as 8 float32 lanes, a
+// horizontal sum, and exp on 8 lanes. Header-only and inline; each kernel file includes it.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -32,6 +32,26 @@ inline float hsum(__m256 a) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// exp on 8 floats: Cody-Waite range reduction and Cephes' degree-5 polynomial (~1 ulp), the
+// input clamped to [-87, 88] so 2^n stays a normal float. gcc does not vectorise std::exp, and
+// a scalar exp per element made silu_mul 3x slower than torch's at 2,048 rows.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
 }  // namespace inferlab_simd

@@ -1,0 +1,382 @@
+// A whole decode step of the decoder stack in one call: every layer, one parallel region.
+//
+// Why: at one decode token a layer is ~9 operators (fused.cpp, linear.cpp, attention.cpp), each
+// a dispatch from Python (~10-20 us) and a fork/join of the thread pool, and the small matrices
+// (o-proj is 576 x 576) cannot amortise either: at batch 1 that overhead was ~5 ms of a ~19 ms
+// step. Here the threads start once per step and meet at 5 barriers per layer; inside a phase
+// they take chunks of work from a shared counter (OpenMP's dynamic schedule), so a thread that
+// loses its core to another process for a while simply does less of the phase.
+//
+// The phases of a layer, with what each fuses:
+//   norm        h = rms_norm(x) * w (every thread for itself when M is tiny, else split by rows)
+//   qkv         one task per head: its D rows of the qkv product, then bias, (Qwen3's q/k norm,)
+//               RoPE, and K and V written into the paged cache by the thread that made them
+//   attention   one task per (sequence, KV head), the paged decode kernel of attention.h
+//   o           x += attn @ Wo^T: each task owns a range of columns of x, so the residual add is in place
+//   norm        h = rms_norm(x) * w
+//   gate/up     each task: the same range of columns of gate and up, then silu(gate) * up
+//   down        x += act @ Wd^T
+// and after the last layer the final norm. The arithmetic is the per-operator path's (the same
+// micro-kernel from matvec.h, the same row helpers from rows.h, the same attention task), in the
+// same order, so the two paths agree to float32 rounding.
+//
+// torch.classes.inferlab.DecoderStep(layer_tensors, final_norm, cos, sin, k_caches, v_caches,
+//                                    [H, kvH, D, block_size], eps, attn_scale)
+//   layer_tensors: 13 per layer, in order: input_norm, qkv_w, qkv_scale, qkv_bias, q_norm, k_norm,
+//     o_w, o_scale, post_norm, gate_up_w, gate_up_scale, down_w, down_scale; an empty tensor
+//     (numel 0) for one the model does not have. Weights: one dtype for all (float32, float16,
+//     bfloat16, or int8 with float32 per-row scales). Caches: float32 [kvH, slots, D].
+// .forward(x [M, hidden] float32 (the token embeddings; used as the residual stream and
+//          overwritten), positions [M] int64, slots [M] int64, block_tables [M, max_blocks] int32,
+//          context_lens [M] int32) -> [M, hidden], the final norm's output.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include "attention.h"
+#include "matvec.h"
+#include "rows.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using namespace inferlab_matvec;  // block_dots, kRowsW
+using namespace inferlab_rows;    // rms_norm_row, rope_row, silu_mul_row
+
+// Tasks per thread in a phase of column chunks: few, so that each task streams one long run of
+// weight rows (the prefetch restarts at every task), but more than one, so that a thread that
+// loses its core for a while leaves work for the others to take. (At batch 1, 1 to 16 tasks per
+// thread measured within 5% of each other; fixed 16-column tasks took 10.7 ms against 9.6.)
+constexpr int64_t kTasksPerThread = 2;
+constexpr int64_t kColAlign = 16;  // task widths are multiples of 16 columns: whole 64-byte lines of x
+constexpr int64_t kTensorsPerLayer = 13;
+constexpr int64_t kSharedNormRows = 4;  // from this many rows on, a norm is split (and ends in a barrier)
+
+struct Linear {
+  at::Tensor w, scale_t, bias_t;  // scale / bias undefined when absent
+  const float* scale = nullptr;
+  const float* bias = nullptr;
+  int64_t n = 0, k = 0;
+
+  // y (after the product) for output row r.
+  float finish(float dot, int64_t r) const {
+    if (scale) dot *= scale[r];
+    if (bias) dot += bias[r];
+    return dot;
+  }
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm, q_norm, k_norm;  // q/k norm undefined unless the model has them
+  Linear qkv, o, gate_up, down;
+};
+
+// Per-thread buffers, grown once (OpenMP's threads are torch's pool threads and live on).
+struct Work {
+  std::vector<float> buf;    // kRowsW * K: a weight block converted to float32 (M > 3)
+  std::vector<float> dots;   // M * kRowsW: one block's products
+  std::vector<float> head;   // M * D: one head of the qkv product
+  std::vector<float> h;      // M * hidden: a tiny batch's norm, computed by every thread
+  std::vector<float> cols;   // M * task width: one task's columns of a product
+  std::vector<float> cols2;  // M * task width: the up half of gate/up
+  inferlab_attention::Scratch attn;
+};
+
+at::Tensor present(const at::Tensor& t) { return t.numel() > 0 ? t : at::Tensor(); }
+
+class DecoderStep : public torch::CustomClassHolder {
+ public:
+  DecoderStep(std::vector<at::Tensor> layer_tensors, at::Tensor final_norm, at::Tensor cos, at::Tensor sin,
+              std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, std::vector<int64_t> dims,
+              double eps, double attn_scale)
+      : final_norm_(final_norm), cos_(cos), sin_(sin), k_caches_(k_caches), v_caches_(v_caches),
+        eps_(static_cast<float>(eps)), attn_scale_(static_cast<float>(attn_scale)) {
+    TORCH_CHECK_VALUE(dims.size() == 4, "DecoderStep: dims must be [num_heads, num_kv_heads, head_dim, block_size]");
+    heads_ = dims[0], kv_heads_ = dims[1], head_dim_ = dims[2], block_size_ = dims[3];
+    TORCH_CHECK_VALUE(heads_ >= 1 && kv_heads_ >= 1 && heads_ % kv_heads_ == 0, "DecoderStep: ", heads_,
+                      " query heads are not a multiple of ", kv_heads_, " KV heads");
+    TORCH_CHECK_VALUE(head_dim_ >= 2 && head_dim_ % kRowsW == 0, "DecoderStep: head_dim ", head_dim_,
+                      " must be a positive multiple of ", kRowsW);
+    TORCH_CHECK_VALUE(block_size_ >= 1, "DecoderStep: block_size must be positive");
+    TORCH_CHECK_VALUE(layer_tensors.size() % kTensorsPerLayer == 0 && !layer_tensors.empty(),
+                      "DecoderStep: layer_tensors must hold ", kTensorsPerLayer, " tensors per layer");
+    const int64_t num_layers = static_cast<int64_t>(layer_tensors.size()) / kTensorsPerLayer;
+    TORCH_CHECK_VALUE(static_cast<int64_t>(k_caches.size()) == num_layers &&
+                          static_cast<int64_t>(v_caches.size()) == num_layers,
+                      "DecoderStep: one K and one V cache per layer");
+    check_f32(final_norm_, "final_norm");
+    hidden_ = final_norm_.numel();
+    check_f32(cos_, "cos");
+    check_f32(sin_, "sin");
+    TORCH_CHECK_VALUE(cos_.dim() == 2 && cos_.size(1) == head_dim_ && sin_.sizes() == cos_.sizes(),
+                      "DecoderStep: cos/sin must be [positions, head_dim]");
+    const int64_t qkv_rows = (heads_ + 2 * kv_heads_) * head_dim_;
+    for (int64_t l = 0; l < num_layers; ++l) {
+      const at::Tensor* t = layer_tensors.data() + l * kTensorsPerLayer;
+      Layer ly;
+      ly.input_norm = t[0];
+      ly.qkv = linear(t[1], t[2], t[3], qkv_rows, hidden_, "qkv");
+      ly.q_norm = present(t[4]);
+      ly.k_norm = present(t[5]);
+      ly.o = linear(t[6], t[7], at::Tensor(), hidden_, heads_ * head_dim_, "o");
+      ly.post_norm = t[8];
+      const int64_t two_i = t[9].dim() == 2 ? t[9].size(0) : 0;
+      TORCH_CHECK_VALUE(two_i > 0 && two_i % 2 == 0, "DecoderStep: gate_up must have an even number of rows");
+      ly.gate_up = linear(t[9], t[10], at::Tensor(), two_i, hidden_, "gate_up");
+      ly.down = linear(t[11], t[12], at::Tensor(), hidden_, two_i / 2, "down");
+      check_f32(ly.input_norm, "input_norm");
+      check_f32(ly.post_norm, "post_norm");
+      TORCH_CHECK_VALUE(ly.input_norm.numel() == hidden_ && ly.post_norm.numel() == hidden_,
+                        "DecoderStep: norm weights must have ", hidden_, " elements");
+      for (const at::Tensor* qk : {&ly.q_norm, &ly.k_norm}) {
+        if (!qk->defined()) continue;
+        check_f32(*qk, "q_norm / k_norm");
+        TORCH_CHECK_VALUE(qk->numel() == head_dim_, "DecoderStep: q/k norm weights must have head_dim elements");
+      }
+      TORCH_CHECK_VALUE(ly.q_norm.defined() == ly.k_norm.defined(), "DecoderStep: q_norm and k_norm come together");
+      TORCH_CHECK_VALUE(ly.qkv.w.scalar_type() == layer_tensors[1].scalar_type() &&
+                            ly.o.w.scalar_type() == ly.qkv.w.scalar_type() &&
+                            ly.gate_up.w.scalar_type() == ly.qkv.w.scalar_type() &&
+                            ly.down.w.scalar_type() == ly.qkv.w.scalar_type(),
+                        "DecoderStep: every linear weight must have the same dtype");
+      const at::Tensor& kc = k_caches_[l];
+      const at::Tensor& vc = v_caches_[l];
+      check_f32(kc, "k_cache");
+      check_f32(vc, "v_cache");
+      TORCH_CHECK_VALUE(kc.dim() == 3 && kc.size(0) == kv_heads_ && kc.size(2) == head_dim_ &&
+                            vc.sizes() == kc.sizes() && kc.size(1) % block_size_ == 0,
+                        "DecoderStep: caches must be [kvH, slots, D] with slots a multiple of block_size");
+      layers_.push_back(std::move(ly));
+    }
+    weight_dtype_ = layers_[0].qkv.w.scalar_type();
+  }
+
+  at::Tensor forward(at::Tensor x, at::Tensor positions, at::Tensor slots, at::Tensor block_tables,
+                     at::Tensor context_lens) {
+    check_f32(x, "x");
+    TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == hidden_ && x.size(0) >= 1, "DecoderStep: x must be [M, ",
+                      hidden_, "] with M >= 1, got ", x.sizes());
+    const int64_t m = x.size(0);
+    TORCH_CHECK_VALUE(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == m,
+                      "DecoderStep: positions must be a contiguous [M] int64 tensor");
+    TORCH_CHECK_VALUE(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == m,
+                      "DecoderStep: slots must be a contiguous [M] int64 tensor");
+    TORCH_CHECK_VALUE(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                          block_tables.dim() == 2 && block_tables.size(0) == m,
+                      "DecoderStep: block_tables must be a contiguous [M, max_blocks] int32 tensor");
+    TORCH_CHECK_VALUE(context_lens.scalar_type() == at::kInt && context_lens.is_contiguous() &&
+                          context_lens.numel() == m,
+                      "DecoderStep: context_lens must be a contiguous [M] int32 tensor");
+    const int64_t num_slots = k_caches_[0].size(1);
+    const int64_t* pp = positions.data_ptr<int64_t>();
+    const int64_t* sp = slots.data_ptr<int64_t>();
+    for (int64_t i = 0; i < m; ++i) {
+      TORCH_CHECK_VALUE(pp[i] >= 0 && pp[i] < cos_.size(0), "DecoderStep: position ", pp[i],
+                        " outside the rope table (", cos_.size(0), ")");
+      TORCH_CHECK_VALUE(sp[i] >= 0 && sp[i] < num_slots, "DecoderStep: slot ", sp[i], " outside the cache (",
+                        num_slots, ")");
+    }
+    inferlab_attention::check_tables<int32_t>(block_tables, context_lens, block_size_, num_slots, "DecoderStep");
+    at::Tensor out = at::empty_like(x);
+    switch (weight_dtype_) {
+      case at::kFloat: run<float>(x, positions, slots, block_tables, context_lens, out); break;
+      case at::kHalf: run<at::Half>(x, positions, slots, block_tables, context_lens, out); break;
+      case at::kBFloat16: run<at::BFloat16>(x, positions, slots, block_tables, context_lens, out); break;
+      case at::kChar: run<int8_t>(x, positions, slots, block_tables, context_lens, out); break;
+      default: TORCH_CHECK_VALUE(false, "DecoderStep: unsupported weight dtype ", weight_dtype_);
+    }
+    return out;
+  }
+
+ private:
+  static void check_f32(const at::Tensor& t, const char* name) {
+    TORCH_CHECK_VALUE(t.defined() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(),
+                      "DecoderStep: ", name, " must be a contiguous float32 CPU tensor");
+  }
+
+  static Linear linear(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& bias, int64_t n, int64_t k,
+                       const char* name) {
+    const auto dt = w.scalar_type();
+    TORCH_CHECK_VALUE(w.dim() == 2 && w.is_contiguous() && w.size(0) == n && w.size(1) == k, "DecoderStep: ",
+                      name, " weight must be a contiguous [", n, ", ", k, "] matrix, got ", w.sizes());
+    TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16 || dt == at::kChar,
+                      "DecoderStep: ", name, " weight dtype ", dt, " is not float32, float16, bfloat16 or int8");
+    Linear lin;
+    lin.w = w;
+    lin.n = n;
+    lin.k = k;
+    lin.scale_t = present(scale);
+    lin.bias_t = present(bias);
+    TORCH_CHECK_VALUE((dt == at::kChar) == lin.scale_t.defined(), "DecoderStep: ", name,
+                      " needs per-row scales exactly when its weight is int8");
+    for (at::Tensor* v : {&lin.scale_t, &lin.bias_t}) {
+      if (!v->defined()) continue;
+      check_f32(*v, name);
+      TORCH_CHECK_VALUE(v->numel() == n, "DecoderStep: ", name, " scale/bias must have ", n, " elements");
+    }
+    lin.scale = lin.scale_t.defined() ? lin.scale_t.data_ptr<float>() : nullptr;
+    lin.bias = lin.bias_t.defined() ? lin.bias_t.data_ptr<float>() : nullptr;
+    return lin;
+  }
+
+  // h = rms_norm(x) * w for every row. A tiny batch: each thread computes it into its own buffer
+  // (cheaper than a barrier); otherwise split by rows into `shared`, ending in a barrier.
+  const float* norm_rows(const float* x, const at::Tensor& w, int64_t m, float* shared, Work& wk) const {
+    const float* wp = w.data_ptr<float>();
+    if (m < kSharedNormRows) {
+      for (int64_t i = 0; i < m; ++i) rms_norm_row(x + i * hidden_, wp, hidden_, eps_, wk.h.data() + i * hidden_);
+      return wk.h.data();
+    }
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < m; ++i) rms_norm_row(x + i * hidden_, wp, hidden_, eps_, shared + i * hidden_);
+    return shared;
+  }
+
+  // Rows r0 .. r0 + rows of lin's product for every row of `in` (M x lin.k): y[i * rows + r].
+  template <typename T>
+  void products(const float* in, int64_t m, const Linear& lin, int64_t r0, int64_t rows, float* y, int64_t ldy,
+                Work& wk) const {
+    const T* w = lin.w.data_ptr<T>();
+    for (int64_t b = 0; b < rows; b += kRowsW) {
+      const int nb = static_cast<int>(std::min<int64_t>(kRowsW, rows - b));
+      block_dots(in, m, lin.k, w + (r0 + b) * lin.k, nb, wk.buf.data(), wk.dots.data());
+      for (int64_t i = 0; i < m; ++i)
+        for (int j = 0; j < nb; ++j) y[i * ldy + b + j] = lin.finish(wk.dots[i * kRowsW + j], r0 + b + j);
+    }
+  }
+
+  // x[:, columns c * width ..] += in @ W^T for those columns (o and down: the residual add).
+  template <typename T>
+  void add_product(const float* in, int64_t m, const Linear& lin, int64_t c, int64_t width, float* x,
+                   Work& wk) const {
+    const int64_t n0 = c * width, nn = std::min(width, lin.n - n0);
+    products<T>(in, m, lin, n0, nn, wk.cols.data(), width, wk);
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < nn; ++j) x[i * hidden_ + n0 + j] += wk.cols[i * width + j];
+  }
+
+  // Columns per task when n columns are shared by nt threads.
+  static int64_t task_width(int64_t n, int64_t nt) {
+    const int64_t w = (n + kTasksPerThread * nt - 1) / (kTasksPerThread * nt);
+    return (w + kColAlign - 1) / kColAlign * kColAlign;
+  }
+
+  template <typename T>
+  void run(at::Tensor& x_t, const at::Tensor& pos_t, const at::Tensor& slots_t, const at::Tensor& tables_t,
+           const at::Tensor& lens_t, at::Tensor& out_t) const {
+    const int64_t m = x_t.size(0), h = heads_, kvh = kv_heads_, d = head_dim_, g = h / kvh;
+    const int64_t inter = layers_[0].gate_up.n / 2;
+    const int64_t max_k = std::max({hidden_, h * d, inter});
+    const int64_t num_slots = k_caches_[0].size(1), max_blocks = tables_t.size(1);
+    float* x = x_t.data_ptr<float>();
+    const int64_t* pos = pos_t.data_ptr<int64_t>();
+    const int64_t* slots = slots_t.data_ptr<int64_t>();
+    const int32_t* tables = tables_t.data_ptr<int32_t>();
+    const int32_t* lens = lens_t.data_ptr<int32_t>();
+    const auto opts = x_t.options();
+    at::Tensor q_t = at::empty({m, h * d}, opts), attn_t = at::empty({m, h * d}, opts);
+    at::Tensor act_t = at::empty({m, inter}, opts), hbuf_t = at::empty({m, hidden_}, opts);
+    float* q = q_t.data_ptr<float>();
+    float* attn = attn_t.data_ptr<float>();
+    float* act = act_t.data_ptr<float>();
+    float* hbuf = hbuf_t.data_ptr<float>();
+    float* out = out_t.data_ptr<float>();
+    const float* cos = cos_.data_ptr<float>();
+    const float* sin = sin_.data_ptr<float>();
+    const int64_t nt = at::get_num_threads();
+    const int64_t hidden_w = task_width(hidden_, nt), inter_w = task_width(inter, nt);
+    const int64_t hidden_tasks = (hidden_ + hidden_w - 1) / hidden_w, inter_tasks = (inter + inter_w - 1) / inter_w;
+
+#pragma omp parallel num_threads(nt)
+    {
+      thread_local Work wk;
+      wk.buf.resize(std::max<size_t>(wk.buf.size(), kRowsW * max_k));
+      wk.dots.resize(std::max<size_t>(wk.dots.size(), kRowsW * m));
+      wk.head.resize(std::max<size_t>(wk.head.size(), m * d));
+      wk.h.resize(std::max<size_t>(wk.h.size(), m * hidden_));
+      wk.cols.resize(std::max<size_t>(wk.cols.size(), m * std::max(hidden_w, inter_w)));
+      wk.cols2.resize(std::max<size_t>(wk.cols2.size(), m * inter_w));
+
+      for (size_t l = 0; l < layers_.size(); ++l) {
+        const Layer& ly = layers_[l];
+        float* kc = k_caches_[l].data_ptr<float>();
+        float* vc = v_caches_[l].data_ptr<float>();
+        const float* hn = norm_rows(x, ly.input_norm, m, hbuf, wk);
+
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t hh = 0; hh < h + 2 * kvh; ++hh) {
+          products<T>(hn, m, ly.qkv, hh * d, d, wk.head.data(), d, wk);
+          for (int64_t i = 0; i < m; ++i) {
+            float* row = wk.head.data() + i * d;
+            const float* c = cos + pos[i] * d;
+            const float* s = sin + pos[i] * d;
+            if (hh < h + kvh && ly.q_norm.defined()) {
+              const at::Tensor& nw = hh < h ? ly.q_norm : ly.k_norm;
+              rms_norm_row(row, nw.data_ptr<float>(), d, eps_, row);
+            }
+            if (hh < h) {
+              rope_row(row, c, s, q + (i * h + hh) * d, d);
+            } else if (hh < h + kvh) {
+              rope_row(row, c, s, kc + ((hh - h) * num_slots + slots[i]) * d, d);
+            } else {
+              std::memcpy(vc + ((hh - h - kvh) * num_slots + slots[i]) * d, row, sizeof(float) * d);
+            }
+          }
+        }
+
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < m * kvh; ++task) {
+          const int64_t i = task / kvh, kh = task % kvh;
+          const int64_t off = (i * h + kh * g) * d;
+          inferlab_attention::decode_heads<float, float>(q + off, kc + kh * num_slots * d, vc + kh * num_slots * d,
+                                                         tables + i * max_blocks, lens[i], block_size_, d, g,
+                                                         attn_scale_, attn + off, wk.attn);
+        }
+
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < hidden_tasks; ++c) add_product<T>(attn, m, ly.o, c, hidden_w, x, wk);
+
+        hn = norm_rows(x, ly.post_norm, m, hbuf, wk);
+
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < inter_tasks; ++c) {
+          const int64_t j0 = c * inter_w, nn = std::min(inter_w, inter - j0);
+          products<T>(hn, m, ly.gate_up, j0, nn, wk.cols.data(), inter_w, wk);           // gate
+          products<T>(hn, m, ly.gate_up, inter + j0, nn, wk.cols2.data(), inter_w, wk);  // up
+          for (int64_t i = 0; i < m; ++i)
+            silu_mul_row(wk.cols.data() + i * inter_w, wk.cols2.data() + i * inter_w, nn, act + i * inter + j0);
+        }
+
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < hidden_tasks; ++c) add_product<T>(act, m, ly.down, c, hidden_w, x, wk);
+      }
+
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < m; ++i)
+        rms_norm_row(x + i * hidden_, final_norm_.data_ptr<float>(), hidden_, eps_, out + i * hidden_);
+    }
+  }
+
+  std::vector<Layer> layers_;
+  at::Tensor final_norm_, cos_, sin_;
+  std::vector<at::Tensor> k_caches_, v_caches_;
+  int64_t heads_ = 0, kv_heads_ = 0, head_dim_ = 0, block_size_ = 0, hidden_ = 0;
+  float eps_, attn_scale_;
+  at::ScalarType weight_dtype_ = at::kFloat;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(inferlab, m) {
+  m.class_<DecoderStep>("DecoderStep")
+      .def(torch::init<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, std::vector<int64_t>, double, double>())
+      .def("forward", &DecoderStep::forward, "",
+           {torch::arg("x"), torch::arg("positions"), torch::arg("slots"), torch::arg("block_tables"),
+            torch::arg("context_lens")});
+}

@@ -1,0 +1,131 @@
+// The weight-streaming matrix-vector core shared by linear.cpp (one linear layer per call) and
+// decoder_step.cpp (a whole decode step per call): dot products of a few rows of float32 x with
+// blocks of 4 weight rows stored as float32, float16, bfloat16 or int8.
+//
+// A block of 4 weight rows is read from memory once per call, prefetched as one linear stream,
+// and re-used for every row of x: converted in registers when M <= 3, else converted once into
+// a small float32 buffer in L1 that an fp32 micro-kernel (3 rows of x by 4 rows of W, 12
+// accumulators) re-reads.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <immintrin.h>
+
+#include "simd.h"
+
+#include <cstdint>
+#include <type_traits>
+
+namespace inferlab_matvec {
+
+using namespace inferlab_simd;  // load8, to_float, hsum
+
+constexpr int kRowsW = 4;  // weight rows per block (one horizontal reduction handles 4 sums)
+constexpr int kRowsX = 3;  // rows of x per micro-kernel call: 3 x 4 = 12 of the 16 ymm registers
+// How far ahead of the reads the weight stream is prefetched. A block's rows are contiguous and
+// consecutive blocks too, so the stream is linear: measured on one core of this EPYC, 4 KiB ahead
+// took int8 from 6.4 to 14 GB/s and float16 from 11 to 13 GB/s (the hardware prefetcher alone
+// does not keep enough lines in flight for 4 interleaved row streams); 8 KiB took a whole decode
+// step's float16 weights from 10.4 to 11.5 GB/s on one core (the last of a block's 4 rows is
+// 3.5 KiB past its first, so 4 KiB left it barely ahead).
+constexpr int64_t kPrefetchBytes = 8192;
+
+// The four sums of a0..a3, in one register: fewer shuffles than four hsum calls.
+inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// out[i][j] = dot(x row i, w row j) over K, for MB rows of x and NB (4 or 1) rows of w.
+// Weights read from memory (not float32: those come from our L1 buffer) are prefetched
+// kPrefetchBytes ahead, as one linear stream over the block (w .. w + NB * K).
+template <int MB, int NB, typename T>
+inline void dot_tile(const float* x, int64_t ldx, const T* w, int64_t ldw, int64_t K, float out[][kRowsW]) {
+  constexpr bool kStream = !std::is_same_v<T, float>;
+  constexpr int kStepBytes = NB * 8 * sizeof(T);  // weight bytes one k-step consumes
+  const char* pf = reinterpret_cast<const char*>(w) + kPrefetchBytes;
+  __m256 acc[MB][NB];
+#pragma GCC unroll 4
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    if constexpr (kStream) {
+#pragma GCC unroll 2
+      for (int c = 0; c < kStepBytes; c += 64) _mm_prefetch(pf + k * NB * sizeof(T) + c, _MM_HINT_T0);
+    }
+    __m256 xv[MB];
+#pragma GCC unroll 4
+    for (int i = 0; i < MB; ++i) xv[i] = _mm256_loadu_ps(x + i * ldx + k);
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) {
+      const __m256 wv = load8(w + j * ldw + k);
+#pragma GCC unroll 4
+      for (int i = 0; i < MB; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < MB; ++i) {
+    if constexpr (NB == kRowsW) {
+      _mm_storeu_ps(out[i], hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+    } else {
+      for (int j = 0; j < NB; ++j) out[i][j] = hsum(acc[i][j]);
+    }
+  }
+  for (; k < K; ++k)  // K not a multiple of 8
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NB; ++j) out[i][j] += x[i * ldx + k] * to_float(w[j * ldw + k]);
+}
+
+template <typename T>
+inline void convert_rows(const T* w, int64_t rows, int64_t K, const float* scale, float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = w + r * K;
+    const char* pf = reinterpret_cast<const char*>(src) + kPrefetchBytes;  // the linear stream, ahead
+    for (int64_t c = 0; c < K * int64_t(sizeof(T)); c += 64) _mm_prefetch(pf + c, _MM_HINT_T0);
+    float* d = dst + r * K;
+    const float s = scale ? scale[r] : 1.0f;
+    const __m256 sv = _mm256_set1_ps(s);
+    int64_t k = 0;
+    if (scale) {
+      for (; k + 8 <= K; k += 8) _mm256_storeu_ps(d + k, _mm256_mul_ps(load8(src + k), sv));
+    } else {
+      for (; k + 8 <= K; k += 8) _mm256_storeu_ps(d + k, load8(src + k));
+    }
+    for (; k < K; ++k) d[k] = to_float(src[k]) * s;
+  }
+}
+
+// out[i * kRowsW + j] = dot(x row i, w row j) over K, for the M rows of x (row stride K) and
+// nb <= kRowsW rows of w (row stride K). buf: kRowsW * K floats of scratch, used when M > kRowsX.
+template <typename T>
+inline void block_dots(const float* x, int64_t M, int64_t K, const T* w, int nb, float* buf, float* out) {
+  const bool convert = M > kRowsX;  // float32 weights too: the copy streams them with prefetch
+  if (convert) convert_rows(w, nb, K, nullptr, buf);
+  auto rows = [&](auto wp) {
+    using W = std::remove_cv_t<std::remove_pointer_t<decltype(wp)>>;
+    auto tile = [&](auto mb_tag, int64_t m) {
+      constexpr int MB = decltype(mb_tag)::value;
+      auto* o = reinterpret_cast<float(*)[kRowsW]>(out + m * kRowsW);
+      if (nb == kRowsW) {
+        dot_tile<MB, kRowsW, W>(x + m * K, K, wp, K, K, o);
+      } else {
+        for (int j = 0; j < nb; ++j) {
+          float one[MB][kRowsW];
+          dot_tile<MB, 1, W>(x + m * K, K, wp + j * K, K, K, one);
+          for (int i = 0; i < MB; ++i) o[i][j] = one[i][0];
+        }
+      }
+    };
+    int64_t m = 0;
+    for (; m + kRowsX <= M; m += kRowsX) tile(std::integral_constant<int, kRowsX>{}, m);
+    if (M - m == 2) tile(std::integral_constant<int, 2>{}, m);
+    if (M - m == 1) tile(std::integral_constant<int, 1>{}, m);
+  };
+  if (convert) rows(static_cast<const float*>(buf));
+  else rows(w);
+}
+
+}  // namespace inferlab_matvec

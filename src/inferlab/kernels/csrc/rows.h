@@ -1,0 +1,43 @@
+// The per-row arithmetic of the decoder layer's small operators, shared by fused.cpp (one
+// operator per call) and decoder_step.cpp (a whole decode step per call), so both paths compute
+// the same numbers in the same order.
+#pragma once
+
+#include <immintrin.h>
+
+#include "simd.h"
+
+#include <cmath>
+#include <cstdint>
+
+namespace inferlab_rows {
+
+// out[j] = x[j] / rms(x) * w[j], rms(x) = sqrt(mean(x^2) + eps). out may be x.
+inline void rms_norm_row(const float* x, const float* w, int64_t n, float eps, float* out) {
+  float ss = 0.f;
+  for (int64_t j = 0; j < n; ++j) ss += x[j] * x[j];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t j = 0; j < n; ++j) out[j] = x[j] * inv * w[j];
+}
+
+// out[j] = x[j] * c[j] + rot(x)[j] * s[j], rot(x) = [-x2, x1] (Hugging Face's rotate-half).
+// out must not alias x.
+inline void rope_row(const float* x, const float* c, const float* s, float* out, int64_t d) {
+  const int64_t h = d / 2;
+  for (int64_t j = 0; j < h; ++j) out[j] = x[j] * c[j] - x[j + h] * s[j];
+  for (int64_t j = h; j < d; ++j) out[j] = x[j] * c[j] + x[j - h] * s[j];
+}
+
+// out[j] = silu(g[j]) * u[j] = g u / (1 + exp(-g)), 8 lanes at a time with the vector exp.
+inline void silu_mul_row(const float* g, const float* u, int64_t n, float* out) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + j);
+    const __m256 den = _mm256_add_ps(one, inferlab_simd::exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+    _mm256_storeu_ps(out + j, _mm256_div_ps(_mm256_mul_ps(gv, _mm256_loadu_ps(u + j)), den));
+  }
+  for (; j < n; ++j) out[j] = g[j] * u[j] / (1.f + std::exp(-g[j]));
+}
+
+}  // namespace inferlab_rows

@@ -1,0 +1,96 @@
+"""The whole-step decode kernel (kernels/csrc/decoder_step.cpp) against the per-operator forward
+it replaces: the same tokens and log-probabilities for every architecture and weight storage,
+at batch sizes that take each of its code paths, and clear errors on wrong input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inferlab import LLM, SamplingParams
+from inferlab.kernels import build
+from inferlab.models import decoder
+from inferlab.models.testing import make_tiny_hf_model
+
+pytestmark = pytest.mark.skipif(not build.available(), reason=f"kernels unavailable: {build.unavailable_reason()}")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("step")
+    # llama: SmolLM2's layout; qwen2: a qkv bias; qwen3: per-head q/k norms (head_dim 32).
+    return {arch: make_tiny_hf_model(root / arch, arch=arch) for arch in ("llama", "qwen2", "qwen3")}
+
+
+def _generate(path, monkeypatch, use_step: bool, weight_dtype: str, n_prompts: int):
+    monkeypatch.setattr(decoder, "USE_DECODE_STEP", use_step)
+    steps = []
+    real = decoder.DecoderModel._decode_step
+
+    def spy(self, *a, **kw):
+        steps.append(1)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(decoder.DecoderModel, "_decode_step", spy)
+    llm = LLM(str(path), dtype="float32", weight_dtype=weight_dtype, num_kv_blocks=128)
+    g = torch.Generator().manual_seed(n_prompts)
+    prompts = [torch.randint(3, 250, (int(n),), generator=g).tolist()
+               for n in torch.randint(2, 40, (n_prompts,), generator=g)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3))
+    assert bool(steps) == use_step  # the path asked for is the path taken
+    return outs
+
+
+# 1 and 2 rows: the norm computed by every thread, x rows read in registers; 7: the shared norm,
+# weight blocks converted to float32 first; 40: many 3-row micro-kernel tiles and a remainder.
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("weight_dtype,n_prompts", [("float32", 1), ("float16", 2), ("int8", 7), ("bfloat16", 40)])
+def test_decode_step_gives_the_per_operator_tokens_and_logprobs(models, monkeypatch, arch, weight_dtype, n_prompts):
+    step = _generate(models[arch], monkeypatch, True, weight_dtype, n_prompts)
+    ops = _generate(models[arch], monkeypatch, False, weight_dtype, n_prompts)
+    for a, b in zip(step, ops):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for (ca, ta), (cb, tb) in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert ca.logprob == pytest.approx(cb.logprob, rel=1e-4, abs=1e-4)
+            assert [x.token_id for x in ta] == [x.token_id for x in tb]
+
+
+def _direct_step(models):
+    """A DecoderStep built by the model for its runner's caches, and valid inputs for 2 rows."""
+    llm = LLM(str(models["llama"]), dtype="float32", weight_dtype="float16", num_kv_blocks=8, block_size=16)
+    runner = llm.engine.runner
+    model = runner.model
+    step = model._decode_step(runner.kv_caches, 16)
+    hidden = model.config.hidden_size
+    inputs = dict(x=torch.randn(2, hidden), positions=torch.tensor([3, 0]), slots=torch.tensor([3, 16]),
+                  block_tables=torch.tensor([[0], [1]], dtype=torch.int32),
+                  context_lens=torch.tensor([4, 1], dtype=torch.int32))
+    return step, inputs, runner
+
+
+def test_decode_step_refuses_bad_inputs_with_a_clear_error(models):
+    step, good, runner = _direct_step(models)
+    step.forward(**{k: v.clone() for k, v in good.items()})  # the valid call works
+    slots = runner.kv_caches[0][0].shape[1]
+    bad = {
+        "slot": ({"slots": torch.tensor([3, slots])}, "slot"),
+        "position": ({"positions": torch.tensor([3, 10**6])}, "rope table"),
+        "block": ({"block_tables": torch.tensor([[0], [99]], dtype=torch.int32)}, "outside the cache"),
+        "length": ({"context_lens": torch.tensor([4, 0], dtype=torch.int32)}, "at least its own token"),
+        "x shape": ({"x": torch.randn(2, 7)}, "x must be"),
+        "x dtype": ({"x": torch.randn(2, good["x"].shape[1], dtype=torch.float64)}, "float32"),
+        "table dtype": ({"block_tables": torch.tensor([[0], [1]])}, "int32"),
+    }
+    for name, (change, message) in bad.items():
+        args = {k: v.clone() for k, v in good.items()} | change
+        with pytest.raises((ValueError, RuntimeError), match=message):
+            step.forward(**args)
+
+
+def test_decode_step_writes_the_new_tokens_kv_into_the_cache(models):
+    step, good, runner = _direct_step(models)
+    k0, v0 = (t.clone() for t in runner.kv_caches[0])
+    step.forward(**good)
+    k1, v1 = runner.kv_caches[0]
+    changed = ((k1 != k0).any(dim=2) | (v1 != v0).any(dim=2)).any(dim=0).nonzero().flatten().tolist()
+    assert changed == [3, 16]  # exactly the two slots of the two rows
