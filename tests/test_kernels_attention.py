@@ -285,12 +285,12 @@ def test_meta_to_moves_every_tensor_and_keeps_the_rest():
     stay as they were."""
     from dataclasses import fields
 
-    from inferlab.models.attention import AttentionMetadata, BatchGroup, meta_to
+    from inferlab.models.attention import AttentionMetadata, BatchGroup, ContinuingChunk, PrefillBatch, meta_to
 
     decode = BatchGroup(block_tables=torch.tensor([[1, 2]], dtype=torch.int32), context_lens=torch.tensor([20]),
                         block_size=16)
-    prefill = BatchGroup(slots=torch.zeros(1, 4, dtype=torch.long), mask=torch.ones(1, 1, 2, 4, dtype=torch.bool),
-                         query_index=torch.zeros(1, 2, dtype=torch.long), valid_rows=torch.tensor([0, 1]))
+    prefill = PrefillBatch(continuing=(ContinuingChunk(1, 2, 16),), block_tables=torch.tensor([[0, 3]]),
+                           block_size=16, causal_bias=torch.zeros(2, 20))
     meta = AttentionMetadata(torch.tensor([5, 6, 7]), 1, decode, prefill)
     moved = meta_to(meta, torch.device("meta"))
     assert moved.slot_mapping.device.type == "meta"
@@ -301,4 +301,4 @@ def test_meta_to_moves_every_tensor_and_keeps_the_rest():
                 assert new.device.type == "meta" and new.shape == old.shape and new.dtype == old.dtype, f.name
             else:
                 assert new == old, f.name
-    assert moved.num_decode_tokens == 1 and moved.prefill_is_fresh is False
+    assert moved.num_decode_tokens == 1

@@ -17,10 +17,16 @@ from inferlab.engine.sampler import Sampler
 from inferlab.models.attention import (
     AttentionMetadata,
     BatchGroup,
+    TILED_FRESH_MAX,
+    ContinuingChunk,
+    FreshRun,
+    PrefillBatch,
     allocate_kv_cache,
+    causal_bias_band,
     decode_kernel_enabled,
     meta_to,
     padded_slots_and_mask,
+    prefill_tile,
 )
 from inferlab.models.decoder import DecoderModel
 from inferlab.models.loader import resolve_dtype, resolve_weight_dtype
@@ -108,7 +114,6 @@ class ModelRunner:
             pos.extend(range(s.start_pos, s.start_pos + n))
             table = s.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in range(s.start_pos, s.start_pos + n))
-        t = len(ids)
         # One conversion for the three lists (each torch.tensor call has a fixed cost).
         flat = torch.tensor([ids, pos, slots], dtype=torch.long)
         input_ids, positions, slot_mapping = flat[0], flat[1], flat[2]
@@ -117,23 +122,8 @@ class ModelRunner:
         if decodes:
             paged = self.device.type == "cpu" and decode_kernel_enabled(self.kv_caches[0][0].dtype)
             decode_group = self._group(decodes, decode_lens, [1] * nd, pos[:nd], paged=paged)
-        fresh = len(prefills) == 1 and prefills[0].start_pos == 0
-        prefill_group = None
-        if prefills and not fresh:
-            q_lens = [len(s.token_ids) for s in prefills]
-            lens = [s.start_pos + q for s, q in zip(prefills, q_lens)]
-            prefill_group = self._group(prefills, lens, q_lens, [s.start_pos for s in prefills])
-            qmax = max(q_lens)
-            qi = torch.full((len(prefills), qmax), t, dtype=torch.long)
-            rows: list[int] = []
-            off = nd
-            for b, q in enumerate(q_lens):
-                qi[b, :q] = torch.arange(off, off + q)
-                rows.extend(range(b * qmax, b * qmax + q))
-                off += q
-            prefill_group.query_index = qi
-            prefill_group.valid_rows = torch.tensor(rows, dtype=torch.long)
-        meta = AttentionMetadata(slot_mapping, nd, decode_group, prefill_group, prefill_is_fresh=fresh)
+        prefill = self._prefill_batch(prefills, nd) if prefills else None
+        meta = AttentionMetadata(slot_mapping, nd, decode_group, prefill)
 
         # Rows whose last position samples, in decodes-then-prefills order.
         sample_index = [i for i, s in enumerate(decodes) if s.sample]
@@ -143,6 +133,39 @@ class ModelRunner:
             if s.sample:
                 sample_index.append(off - 1)
         return input_ids, positions, meta, torch.tensor(sample_index, dtype=torch.long)
+
+    def _prefill_batch(self, prefills: list[ScheduledRequest], row: int) -> PrefillBatch:
+        """The step's prefill chunks from flat-batch row `row` on: fresh chunks (start 0) in runs
+        of one length, continuing chunks with their block tables (one tensor conversion), and the
+        causal mask band when some query tile starts past position 0."""
+        bs = self.block_size
+        fresh: list[FreshRun] = []
+        continuing: list[ContinuingChunk] = []
+        tables: list[list[int]] = []
+        longest = max_context = 0
+        for s in prefills:
+            n = len(s.token_ids)
+            longest = max(longest, n)
+            max_context = max(max_context, s.start_pos + n)
+            if s.start_pos > 0:
+                continuing.append(ContinuingChunk(row, n, s.start_pos))
+                tables.append(s.block_ids[: (s.start_pos + n + bs - 1) // bs])
+            elif fresh and fresh[-1].num_tokens == n and fresh[-1].row + fresh[-1].count * n == row:
+                last = fresh[-1]
+                fresh[-1] = FreshRun(last.row, last.count + 1, n)
+            else:
+                fresh.append(FreshRun(row, 1, n))
+            row += n
+        tile = prefill_tile(self.device, longest)
+        block_tables = None
+        if tables:
+            width = max(len(b) for b in tables)
+            block_tables = torch.tensor([b + [0] * (width - len(b)) for b in tables], dtype=torch.long)
+        # A step of fresh chunks that are each one `is_causal` call (no longer than a tile, or
+        # longer than TILED_FRESH_MAX) needs no mask.
+        tiled = continuing or any(tile < r.num_tokens <= TILED_FRESH_MAX for r in fresh)
+        bias = causal_bias_band(tile, max_context, self.dtype) if tiled else None
+        return PrefillBatch(tuple(fresh), tuple(continuing), block_tables, bs, tile, bias)
 
     def _group(
         self,

@@ -20,8 +20,20 @@ Decodes go to our paged-attention kernel (`torch.ops.inferlab.paged_attention_de
 kernels/csrc/attention.cpp) when it is built: it reads K/V straight from the blocks through the
 block tables. Otherwise (INFERLAB_KERNELS=0, no compiler, another cache dtype) they are one
 batched SDPA call over contexts gathered out of the cache and padded, with a mask; the results
-agree to float32 rounding. Prefill chunks are a second SDPA call over padded query blocks.
-Two calls per layer, whatever the number of requests.
+agree to float32 rounding.
+
+Prefill chunks are attended chunk by chunk, never padded to each other:
+
+- a chunk that starts at position 0 (a fresh prompt) reads no cache: causal attention over its
+  own new K/V. Consecutive fresh chunks of one length go together as one batch.
+- a chunk that continues a prompt (chunked prefill, a prefix-cache hit) gathers its own context
+  from its blocks, and query i (at position start + i) sees keys 0 .. start + i: a causal mask
+  aligned to the bottom-right corner of its [queries, context] square.
+
+On the CPU each chunk's queries go in tiles of `CPU_PREFILL_TILE`, each tile over only the keys
+its queries can see (`attend_causal`): torch's CPU flash kernel works in 512-key blocks and
+computes a block whole, so one causal call over a few hundred tokens costs the full square.
+(Fresh chunks past `TILED_FRESH_MAX` tokens are the exception: one call does better there.)
 """
 
 from __future__ import annotations
@@ -36,11 +48,18 @@ from inferlab.kernels import build
 # Tests set this to False to run the SDPA fallback while the kernels are built.
 USE_DECODE_KERNEL = True
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Queries per SDPA call for prefill on the CPU. Measured on SmolLM2's shapes (9 heads over 3 KV
+# heads of 64, 2 threads): 64 is the best or near it for 256-token prompts and continued chunks.
+CPU_PREFILL_TILE = 64
+# A fresh chunk longer than this is one `is_causal` call instead: past one of the CPU kernel's
+# 512-key blocks it skips whole blocks itself, and its larger query blocks beat our masked tiles
+# (a 2,048-token prompt: 0.83-0.93x tiled).
+TILED_FRESH_MAX = 512
 
 
 @dataclass
 class BatchGroup:
-    """Requests attended together in one call.
+    """Decodes attended together in one call.
 
     For SDPA: `slots` and `mask`, padded to the longest context. For the decode kernel:
     `block_tables`, `context_lens` and `block_size` instead (slots and mask stay None; building
@@ -49,16 +68,59 @@ class BatchGroup:
 
     slots: torch.Tensor | None = None  # [B, L] long: cache slots of each request's context positions 0..L-1 (padded)
     mask: torch.Tensor | None = None  # [B, 1, Q, L] bool: True = attend (causal within the context, padding off)
-    # Prefill only: positions of this group's queries in the flat batch, [B, Q] long (padding
-    # points at a scratch row), and which rows of the padded [B * Q] block are real queries, in
-    # flat-batch order (prefill tokens are contiguous after the decodes).
-    query_index: torch.Tensor | None = None
-    valid_rows: torch.Tensor | None = None
     # Decode kernel only: each request's blocks in order, zero-padded, [B, max_blocks] int32;
     # its context length (the new token included), [B] int32; tokens per block.
     block_tables: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
     block_size: int = 0
+
+
+@dataclass(frozen=True)
+class FreshRun:
+    """`count` prompt chunks of `num_tokens` tokens each, all starting at position 0, one after
+    another in the flat batch from row `row` on: causal attention over their own new K/V, as one
+    batch of `count` (no cache reads, no padding)."""
+
+    row: int
+    count: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class ContinuingChunk:
+    """A prompt chunk after `start` tokens already in the cache (chunked prefill, a prefix-cache
+    hit): flat-batch rows row .. row + num_tokens - 1 at positions start .. start + num_tokens - 1.
+    It attends over its first start + num_tokens positions, gathered from its blocks."""
+
+    row: int
+    num_tokens: int
+    start: int
+
+
+@dataclass
+class PrefillBatch:
+    """A step's prefill chunks (the flat batch's rows after the decodes), attended chunk by chunk.
+
+    Every tile of `tile` queries at positions o .. o + r - 1 (r <= tile) of one chunk attends over
+    keys 0 .. o + r - 1 with the additive mask `causal_bias[:r, M - o : M + r]`, M = max_context:
+
+        causal_bias[i, c] = 0 if c - i <= M else -inf          [tile, M + tile]
+        slice[i, c] = causal_bias[i, M - o + c] = 0 iff c <= o + i  (query o + i sees keys 0..o + i)
+
+    One float tensor per step, sliced (a view) for every tile of every chunk in every layer: a
+    bool mask would be converted to a float one inside every SDPA call.
+    """
+
+    fresh: tuple[FreshRun, ...] = ()
+    continuing: tuple[ContinuingChunk, ...] = ()
+    # [len(continuing), max_blocks] long: each continuing chunk's blocks in order, zero-padded
+    # (only the first ceil((start + num_tokens) / block_size) of a row are read).
+    block_tables: torch.Tensor | None = None
+    block_size: int = 0
+    tile: int = CPU_PREFILL_TILE  # queries per SDPA call
+    # The mask band above, in the activations' dtype; None when no tile starts past position 0
+    # (such a tile is plain `is_causal` attention).
+    causal_bias: torch.Tensor | None = None
 
 
 @dataclass
@@ -68,16 +130,13 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: where each new token's K/V is written
     num_decode_tokens: int  # the first num_decode_tokens tokens are single-token requests
     decode: BatchGroup | None
-    prefill: BatchGroup | None
-    # A lone prefill chunk starting at position 0 needs no cache reads: plain causal attention
-    # over its own fresh K/V (the common case of a new prompt).
-    prefill_is_fresh: bool = False
+    prefill: PrefillBatch | None
 
 
 def meta_to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
     """The same metadata with its tensors on `device` (the runner builds it on the host)."""
 
-    def move(g: BatchGroup | None) -> BatchGroup | None:
+    def move(g: BatchGroup | PrefillBatch | None) -> BatchGroup | PrefillBatch | None:
         if g is None:
             return None
         return replace(g, **{f.name: getattr(g, f.name).to(device, non_blocking=True) for f in fields(g)
@@ -85,6 +144,21 @@ def meta_to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
 
     return replace(meta, slot_mapping=meta.slot_mapping.to(device, non_blocking=True), decode=move(meta.decode),
                    prefill=move(meta.prefill))
+
+
+def prefill_tile(device: torch.device, longest_chunk: int) -> int:
+    """Queries per prefill SDPA call: `CPU_PREFILL_TILE` on the CPU (see the module docstring);
+    elsewhere the whole chunk, since a GPU's flash kernels skip masked-out blocks themselves and
+    each extra call is a launch."""
+    return CPU_PREFILL_TILE if device.type == "cpu" else max(longest_chunk, 1)
+
+
+def causal_bias_band(tile: int, max_context: int, dtype: torch.dtype) -> torch.Tensor:
+    """`PrefillBatch.causal_bias`: [tile, max_context + tile], 0 where c - i <= max_context, -inf
+    elsewhere."""
+    c = torch.arange(max_context + tile).view(1, -1)
+    i = torch.arange(tile).view(-1, 1)
+    return torch.zeros(tile, max_context + tile, dtype=dtype).masked_fill_(c - i > max_context, float("-inf"))
 
 
 def decode_kernel_enabled(dtype: torch.dtype) -> bool:
@@ -156,6 +230,79 @@ def decode_attention_kernel(
     return torch.ops.inferlab.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
 
 
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    """[kvH, S, D] cache, one request's blocks in order -> its positions 0 .. length - 1, as
+    [1, kvH, length, D]: one copy of whole blocks (block_size contiguous rows per index, where
+    a slot table would index every token)."""
+    kvh, slots, d = cache.shape
+    g = cache.view(kvh, slots // block_size, block_size, d).index_select(1, blocks)
+    return g.view(1, kvh, -1, d)[:, :, :length]
+
+
+def _run_view(x: torch.Tensor, run: FreshRun) -> torch.Tensor:
+    """[T, heads, D] flat-batch rows of a run -> [count, heads, num_tokens, D] (a view)."""
+    rows = x[run.row : run.row + run.count * run.num_tokens]
+    return rows.unflatten(0, (run.count, run.num_tokens)).transpose(1, 2)
+
+
+def attend_causal(
+    q: torch.Tensor,  # [b, H, n, D]: queries at positions start .. start + n - 1
+    k: torch.Tensor,  # [b, kvH, >= start + n, D]: keys at positions 0, 1, ...
+    v: torch.Tensor,
+    out: torch.Tensor,  # [b, H, n, D], written
+    start: int,
+    tile: int,
+    causal_bias: torch.Tensor | None,
+    scale: float,
+) -> None:
+    """Query at position p sees keys 0 .. p, in SDPA calls of `tile` queries each over only the
+    keys they can see (~1/2 + tile/2n of the square for a fresh chunk; see `PrefillBatch` for the
+    mask). A tile at position 0 is a square: plain `is_causal`, no mask."""
+    n = q.shape[2]
+    if start == 0 and n > TILED_FRESH_MAX:
+        tile = n
+    for j in range(0, n, tile):
+        r = min(tile, n - j)
+        o = start + j  # position of the tile's first query
+        if o == 0:
+            res = F.scaled_dot_product_attention(q[:, :, :r], k[:, :, :r], v[:, :, :r], is_causal=True, scale=scale,
+                                                 enable_gqa=True)
+        else:
+            assert causal_bias is not None  # the runner builds it whenever a tile starts past 0
+            m = causal_bias.shape[1] - causal_bias.shape[0]  # max_context
+            res = F.scaled_dot_product_attention(q[:, :, j : j + r], k[:, :, : o + r], v[:, :, : o + r],
+                                                 attn_mask=causal_bias[:r, m - o : m + r], scale=scale,
+                                                 enable_gqa=True)
+        out[:, :, j : j + r] = res
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [T, H, D], the whole flat batch
+    k: torch.Tensor,  # [T, kvH, D]: the new keys (also in the cache by now)
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    p: PrefillBatch,
+    out: torch.Tensor,  # [T, H, D]: the prefill rows are written
+    scale: float,
+) -> None:
+    """Every prefill chunk of the step, one at a time (a run of fresh chunks of one length as one
+    batch): no padding to the longest chunk, and fresh prompts read nothing from the cache."""
+    for run in p.fresh:
+        qr, kr, vr, outr = (_run_view(x, run) for x in (q, k, v, out))
+        attend_causal(qr, kr, vr, outr, 0, p.tile, p.causal_bias, scale)
+    if p.continuing:
+        assert p.block_tables is not None
+        for chunk, table in zip(p.continuing, p.block_tables):
+            n, ctx = chunk.num_tokens, chunk.start + chunk.num_tokens
+            blocks = table[: (ctx + p.block_size - 1) // p.block_size]
+            kc = gather_blocks(k_cache, blocks, p.block_size, ctx)
+            vc = gather_blocks(v_cache, blocks, p.block_size, ctx)
+            qc = q[chunk.row : chunk.row + n].transpose(0, 1).unsqueeze(0)
+            oc = out[chunk.row : chunk.row + n].transpose(0, 1).unsqueeze(0)
+            attend_causal(qc, kc, vc, oc, chunk.start, p.tile, p.causal_bias, scale)
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, kvH, D]
@@ -189,23 +336,6 @@ def paged_attention(
     out = q.new_empty(t, h, d)
     if decoded is not None:
         out[:nd] = decoded
-    if meta.prefill_is_fresh:
-        qp = q[nd:].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-        kp = k[nd:].transpose(0, 1).unsqueeze(0)
-        vp = v[nd:].transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
-        out[nd:] = o[0].transpose(0, 1)
-    elif meta.prefill is not None:
-        g = meta.prefill
-        assert g.slots is not None and g.mask is not None
-        assert g.query_index is not None and g.valid_rows is not None
-        b, qn = g.query_index.shape
-        # A scratch zero row at index T absorbs the padded query positions.
-        q_ext = torch.cat([q, q.new_zeros(1, h, d)], 0)
-        qp = q_ext.index_select(0, g.query_index.reshape(-1)).view(b, qn, h, d).transpose(1, 2)
-        kp = _gather_context(k_cache, g.slots)
-        vp = _gather_context(v_cache, g.slots)
-        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=g.mask, scale=scale, enable_gqa=True)
-        o = o.transpose(1, 2).reshape(b * qn, h, d)
-        out[nd:] = o.index_select(0, g.valid_rows)
+    if meta.prefill is not None:
+        prefill_attention(q, k, v, k_cache, v_cache, meta.prefill, out, scale)
     return out.view(t, h * d)
