@@ -1,10 +1,13 @@
 """Turns one step's logits into tokens: penalties, min_tokens, greedy or temperature/top-k/top-p/
 min-p sampling, per-request seeds, logprobs.
 
-Every request's choice depends only on its own logits and parameters: seeded requests draw
-their noise from a generator keyed by (seed, number of tokens already generated), so the
-same request gives the same tokens alone or in any batch, with no generator state to carry
-between steps. Work that only some rows need (penalties, top-k/top-p sorting, logprobs) runs
+Sampling is by inverse CDF: one uniform per row picks the token whose share of the running sum
+it falls in (noise for every token of a 49,152-token vocabulary was 25x slower on a CPU), and
+top-k / top-p narrow the row to a few hundred candidates first instead of sorting it whole.
+Every request's choice depends only on its own logits and parameters: a seeded request draws
+its uniform from a generator keyed by (seed, number of tokens already generated), so the same
+request gives the same tokens alone or in any batch, with no generator state to carry between
+steps. Work that only some rows need (penalties, top-k/top-p sorting, logprobs) runs
 only when some row asks for it.
 """
 
@@ -52,44 +55,100 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, rows: list[ScheduledRequest]) -> torch.Tensor:
         params = [r.sampling_params for r in rows]
-        n = len(rows)
         greedy = torch.tensor([p.greedy for p in params])
         temp = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float32)
         argmax = logits.argmax(dim=-1)
         logits = logits / temp.unsqueeze(1)
+        u = self._uniforms(rows)
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32).unsqueeze(1)
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-            logits = apply_top_k_top_p(logits, top_k, top_p)
-        probs = torch.softmax(logits, dim=-1)
-        min_p = [p.min_p for p in params]
-        if any(m > 0 for m in min_p):
-            mp = torch.tensor(min_p, dtype=torch.float32).unsqueeze(1)
-            probs = torch.where(probs < probs.max(dim=-1, keepdim=True).values * mp, 0.0, probs)
-        noise = torch.empty_like(probs)
-        noise.exponential_(generator=self.generator)
+            sampled = sample_truncated(logits, top_k, top_p, min_p, u)
+        else:
+            probs = torch.softmax(logits, dim=-1)
+            if bool((min_p > 0).any()):
+                probs = apply_min_p(probs, probs.max(dim=-1, keepdim=True).values, min_p)
+            sampled = inverse_cdf(probs, u)
+        return torch.where(greedy, argmax, sampled)
+
+    def _uniforms(self, rows: list[ScheduledRequest]) -> torch.Tensor:
+        """One U[0, 1) draw per row: a seeded request's from (seed, tokens generated so
+        far) alone, so it does not depend on the batch; the others' from the sampler's generator."""
+        u = torch.rand(len(rows), dtype=torch.float64, generator=self.generator)
         for i, r in enumerate(rows):
             seed = r.sampling_params.seed
-            if seed is not None and not params[i].greedy:
-                noise[i] = seeded_exponential(seed, len(r.output_token_ids), probs.shape[1])
-        sampled = exponential_race(probs, noise)
-        return torch.where(greedy, argmax, sampled) if n else sampled
+            if seed is not None:
+                g = torch.Generator().manual_seed((seed * 1_000_003 + len(r.output_token_ids)) & 0x7FFF_FFFF_FFFF_FFFF)
+                u[i] = torch.rand(1, dtype=torch.float64, generator=g)
+        return u
 
 
-def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """Sample from `probs` as argmax(p / E) with E ~ Exp(1): the Gumbel trick without a log,
-    and no host sync (unlike torch.multinomial on some backends)."""
-    return (probs / noise).argmax(dim=-1)
+# top-k / top-p rows are first narrowed to this many highest logits (one partial sort instead of
+# a full sort of the vocabulary: at 32 rows x 49,152 tokens, ~1 ms against ~130 ms). A row whose
+# nucleus reaches past them (a very flat distribution) is redone over its whole vocabulary.
+CANDIDATES = 256
 
 
-def seeded_exponential(seed: int, step: int, vocab: int) -> torch.Tensor:
-    """Exp(1) noise that depends only on (seed, step): batch-independent and stateless."""
-    g = torch.Generator().manual_seed((seed * 1_000_003 + step) & 0x7FFF_FFFF_FFFF_FFFF)
-    return torch.empty(vocab, dtype=torch.float32).exponential_(generator=g)
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row i's index j with probability weights[i, j] / sum(weights[i]) (weights >= 0, not
+    normalised): the first j whose running sum exceeds u[i] times the total. One pass over the
+    row and one uniform per row: drawing noise for every token costs ~25x more on a CPU."""
+    cdf = weights.float().cumsum(dim=-1)  # float32: a float64 cumsum here is ~14x slower
+    target = (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1)
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # u * total can round up to the total itself: take the last index with weight instead.
+    past = idx >= weights.shape[1]
+    if bool(past.any()):
+        last = weights.shape[1] - 1 - (weights.flip(-1) > 0).int().argmax(dim=-1)
+        idx = torch.where(past, last, idx)
+    return idx
+
+
+def apply_min_p(probs: torch.Tensor, top: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens less likely than min_p times the most likely one (`top`, [N, 1])."""
+    return torch.where(probs < top * min_p, 0.0, probs)
+
+
+def sample_truncated(
+    logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: torch.Tensor, u: torch.Tensor
+) -> torch.Tensor:
+    """Sample each row from its top-k, then top-p nucleus (then min-p), as `apply_top_k_top_p`
+    defines them, working on the CANDIDATES highest logits (or each row's top-k, if larger)."""
+    n, vocab = logits.shape
+    k_eff = torch.tensor([k if 0 < k < vocab else vocab for k in top_k])
+    kc = min(vocab, max([CANDIDATES] + [k for k in top_k if 0 < k < vocab]))
+    vals, ids = logits.topk(kc, dim=-1)  # sorted, highest first
+    drop = torch.arange(kc).unsqueeze(0) >= k_eff.unsqueeze(1)
+    # A top-k row is normalised over its top-k (all among the candidates); any other row over
+    # its whole vocabulary.
+    limited = (k_eff < vocab) | (kc == vocab)
+    lse = torch.logsumexp(vals.masked_fill(drop, _NEG_INF), dim=-1)
+    if not bool(limited.all()):
+        lse = torch.where(limited, lse, torch.logsumexp(logits, dim=-1))
+    probs = torch.exp(vals - lse.unsqueeze(1)).masked_fill(drop, 0.0)
+    p = torch.tensor(top_p, dtype=torch.float32).unsqueeze(1)
+    # The nucleus of an unlimited row may go past the candidates: it keeps every candidate
+    # (each one's preceding mass is < p) and more.
+    beyond = ~limited & (probs.sum(dim=-1) < p.squeeze(1))
+    before = probs.cumsum(dim=-1) - probs
+    probs = probs.masked_fill(before >= p, 0.0)
+    if bool((min_p > 0).any()):
+        probs = apply_min_p(probs, probs[:, :1], min_p)
+    sampled = ids.gather(1, inverse_cdf(probs, u).unsqueeze(1)).squeeze(1)
+    if bool(beyond.any()):
+        rows = beyond.nonzero().squeeze(1)
+        sub = torch.softmax(apply_top_k_top_p(logits[rows], [top_k[i] for i in rows.tolist()],
+                                              [top_p[i] for i in rows.tolist()]), dim=-1)
+        if bool((min_p[rows] > 0).any()):
+            sub = apply_min_p(sub, sub.max(dim=-1, keepdim=True).values, min_p[rows])
+        sampled[rows] = inverse_cdf(sub, u[rows])
+    return sampled
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Mask everything outside each row's top-k and top-p nucleus (one sort for the batch)."""
+    """Mask everything outside each row's top-k and top-p nucleus (one sort for the batch):
+    the definition `sample_truncated` follows, and its fallback for rows it cannot narrow."""
     vocab = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k])
