@@ -162,7 +162,8 @@ class DecoderModel:
             # rows on, the per-operator path's GEMMs are faster than the decode micro-kernel.
             x = self.embed.rows(input_ids).contiguous()  # a fresh tensor: the step updates it in place
             step = self._decode_step(kv_caches, g.block_size)
-            return step.forward(x, positions, meta.slot_mapping, g.block_tables, g.context_lens)
+            with torch.profiler.record_function("inferlab::decoder_step"):  # a custom class is no op to the profiler
+                return step.forward(x, positions, meta.slot_mapping, g.block_tables, g.context_lens)
         if USE_FUSED_OPS and self.fused_ok:
             return self._forward_fused(input_ids, positions, kv_caches, meta)
         c = self.config

@@ -38,7 +38,10 @@
 #include "matvec.h"
 #include "rows.h"
 
+#include <omp.h>
+
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -74,6 +77,25 @@ struct Linear {
 struct Layer {
   at::Tensor input_norm, post_norm, q_norm, k_norm;  // q/k norm undefined unless the model has them
   Linear qkv, o, gate_up, down;
+};
+
+// The phases of a layer, for `phase_seconds` (each one's time runs from its start to the next's,
+// as the first thread sees it: its own work plus the wait at the barrier that ends the phase).
+enum Phase { kQkv, kAttention, kO, kNorm, kGateUp, kDown, kFinalNorm, kPhases };
+
+// Adds the time since the last mark to the phase that was running; nothing when `acc` is null.
+struct PhaseClock {
+  double* acc;
+  double last = 0.0;
+  int phase = kPhases;
+  explicit PhaseClock(double* a) : acc(a), last(a ? omp_get_wtime() : 0.0) {}
+  void mark(int next) {
+    if (!acc) return;
+    const double now = omp_get_wtime();
+    if (phase < kPhases) acc[phase] += now - last;
+    last = now;
+    phase = next;
+  }
 };
 
 // Per-thread buffers, grown once (OpenMP's threads are torch's pool threads and live on).
@@ -193,6 +215,15 @@ class DecoderStep : public torch::CustomClassHolder {
     return out;
   }
 
+  // Per-phase seconds summed over the steps run since profiling was turned on (benchmarks/
+  // profile_step.py): [qkv (with the norm before it, RoPE, KV write), attention, o (+ residual),
+  // post-attention norm, gate/up (+ SiLU), down (+ residual), final norm].
+  void set_profiling(bool on) {
+    profiling_ = on;
+    phase_seconds_.fill(0.0);
+  }
+  std::vector<double> phase_seconds() const { return {phase_seconds_.begin(), phase_seconds_.end()}; }
+
  private:
   static void check_f32(const at::Tensor& t, const char* name) {
     TORCH_CHECK_VALUE(t.defined() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(),
@@ -302,10 +333,12 @@ class DecoderStep : public torch::CustomClassHolder {
       wk.cols.resize(std::max<size_t>(wk.cols.size(), m * std::max(hidden_w, inter_w)));
       wk.cols2.resize(std::max<size_t>(wk.cols2.size(), m * inter_w));
 
+      PhaseClock clock(profiling_ && omp_get_thread_num() == 0 ? phase_seconds_.data() : nullptr);
       for (size_t l = 0; l < layers_.size(); ++l) {
         const Layer& ly = layers_[l];
         float* kc = k_caches_[l].data_ptr<float>();
         float* vc = v_caches_[l].data_ptr<float>();
+        clock.mark(kQkv);
         const float* hn = norm_rows(x, ly.input_norm, m, hbuf, wk);
 
 #pragma omp for schedule(dynamic, 1)
@@ -329,6 +362,7 @@ class DecoderStep : public torch::CustomClassHolder {
           }
         }
 
+        clock.mark(kAttention);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < m * kvh; ++task) {
           const int64_t i = task / kvh, kh = task % kvh;
@@ -338,11 +372,14 @@ class DecoderStep : public torch::CustomClassHolder {
                                                          attn_scale_, attn + off, wk.attn);
         }
 
+        clock.mark(kO);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < hidden_tasks; ++c) add_product<T>(attn, m, ly.o, c, hidden_w, x, wk);
 
+        clock.mark(kNorm);
         hn = norm_rows(x, ly.post_norm, m, hbuf, wk);
 
+        clock.mark(kGateUp);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < inter_tasks; ++c) {
           const int64_t j0 = c * inter_w, nn = std::min(inter_w, inter - j0);
@@ -352,17 +389,22 @@ class DecoderStep : public torch::CustomClassHolder {
             silu_mul_row(wk.cols.data() + i * inter_w, wk.cols2.data() + i * inter_w, nn, act + i * inter + j0);
         }
 
+        clock.mark(kDown);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < hidden_tasks; ++c) add_product<T>(act, m, ly.down, c, hidden_w, x, wk);
       }
 
+      clock.mark(kFinalNorm);
 #pragma omp for schedule(static)
       for (int64_t i = 0; i < m; ++i)
         rms_norm_row(x + i * hidden_, final_norm_.data_ptr<float>(), hidden_, eps_, out + i * hidden_);
+      clock.mark(kPhases);
     }
   }
 
   std::vector<Layer> layers_;
+  bool profiling_ = false;
+  mutable std::array<double, kPhases> phase_seconds_{};  // written by run() when profiling_
   at::Tensor final_norm_, cos_, sin_;
   std::vector<at::Tensor> k_caches_, v_caches_;
   int64_t heads_ = 0, kv_heads_ = 0, head_dim_ = 0, block_size_ = 0, hidden_ = 0;
@@ -376,6 +418,8 @@ TORCH_LIBRARY_FRAGMENT(inferlab, m) {
   m.class_<DecoderStep>("DecoderStep")
       .def(torch::init<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<int64_t>, double, double>())
+      .def("set_profiling", &DecoderStep::set_profiling)
+      .def("phase_seconds", &DecoderStep::phase_seconds)
       .def("forward", &DecoderStep::forward, "",
            {torch::arg("x"), torch::arg("positions"), torch::arg("slots"), torch::arg("block_tables"),
             torch::arg("context_lens")});
