@@ -228,3 +228,38 @@ def test_merge_outputs_concatenates_deltas_and_keeps_the_latest_state():
     assert m.outputs[0].text == "abc" and m.outputs[0].text_delta == "bc" and m.outputs[0].token_ids_delta == [1, 1]
     assert m.outputs[0].finish_reason == "stop"
     assert m.outputs[1].text_delta == "x"
+
+
+def test_the_next_step_waits_for_the_readers_of_the_last_one(monkeypatch):
+    """The engine thread hands a step's outputs over and waits (bounded) until the event loop's
+    readers have taken them before it starts the next step: every output is read before the
+    step after the one that produced it begins."""
+    from inferlab.engine import async_llm
+
+    monkeypatch.setattr(async_llm, "HANDOFF_WAIT_S", 5.0)  # the mechanism, not the bound: no flake on a busy CI
+    llm, holder = make_llm()
+    engine = holder["engine"]
+    starts: list[float] = []
+    real_step = engine.step
+
+    def step():
+        starts.append(time.perf_counter())
+        return real_step()
+
+    engine.step = step
+    try:
+
+        async def go():
+            reads = []
+            async for _ in llm.generate("hello", SamplingParams(max_tokens=20), "r1"):
+                reads.append((len(starts), time.perf_counter()))
+            return reads
+
+        reads = run(go())
+        assert len(reads) >= 10
+        for steps_begun, read_at in reads[:-1]:  # the last step is followed by no other
+            # output of step k was read before step k + 1 started (if it ever did)
+            if steps_begun < len(starts):
+                assert starts[steps_begun] >= read_at
+    finally:
+        llm.shutdown(5)
