@@ -202,15 +202,24 @@ class InferlabSystem(System):
                            str(max(64, slots)), "--log-level", "warning", *self.args])
 
     def floors(self) -> list[FloorSpec]:
-        """The flags' --weight-dtype (else --dtype); for "auto", both storages auto may pick (16-bit
-        when our kernels load, else the compute dtype), since the server does not report which."""
-        compute = _flag(self.args, "--dtype") or "auto"
+        """The flags' --weight-dtype (else --dtype) and --kv-cache-dtype; for "auto", both choices
+        auto may make (16-bit weights and K/V when --dtype auto computes in float32 and our kernels
+        load, else the compute dtype), since the server does not report which."""
+        dtype_flag = _flag(self.args, "--dtype") or "auto"
+        compute = dtype_flag
         if compute == "auto":
             compute = "bf16" if cpu_has_native_bf16() else "fp32"
         weights = self.floor_dtype or _flag(self.args, "--weight-dtype") or "auto"
+        kv_flag = _flag(self.args, "--kv-cache-dtype") or "auto"
         model = _flag(self.args, "--model", "-m") or self.model_file
-        options = [weights] if weights != "auto" else list(dict.fromkeys(["fp16", compute]))
-        return [FloorSpec(f"{w} weights, {compute} KV", model, w, compute) for w in options]
+        kernels16 = dtype_flag == "auto" and compute == "fp32"  # where auto may store 16 bits
+        out: list[FloorSpec] = []
+        for auto_dtype in (["fp16", compute] if kernels16 else [compute]):
+            w = auto_dtype if weights == "auto" else weights
+            kv = auto_dtype if kv_flag == "auto" else kv_flag
+            if all((f.weight_dtype, f.kv_dtype) != (w, kv) for f in out):
+                out.append(FloorSpec(f"{w} weights, {kv} KV", model, w, kv))
+        return out
 
 
 @dataclass(frozen=True)

@@ -67,12 +67,13 @@ def test_greedy_chat_matches_transformers(llm, reference, capsys):
 @pytest.mark.parametrize("kw", [{"dtype": "bfloat16"}, {"dtype": "auto"}], ids=["bf16", "default"])
 def test_fast_dtypes_agree_with_float32(llm, kw, capsys):
     """bfloat16 compute (the default where the CPU has native bf16) and the default settings
-    (float16 weights under float32 compute on an AVX2 CPU) agree with float32 for the first 16
+    (float16 weights and K/V under float32 compute on an AVX2 CPU) agree with float32 for the first 16
     tokens, or first differ where float32's top two tokens were within 0.25 nats (a near-tie
     at 16 bits' ~3 significant digits). Prints how often and where they part."""
     fast = LLM(None, max_model_len=512, **kw)
     runner = fast.engine.runner
-    label = f"compute {str(runner.dtype).removeprefix('torch.')}, weights {str(runner.weight_dtype).removeprefix('torch.')}"
+    name = {d: str(d).removeprefix("torch.") for d in (runner.dtype, runner.weight_dtype, runner.kv_dtype)}
+    label = f"compute {name[runner.dtype]}, weights {name[runner.weight_dtype]}, KV cache {name[runner.kv_dtype]}"
     tok = llm.get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     report = []

@@ -22,7 +22,7 @@ def models(tmp_path_factory):
     return {arch: make_tiny_hf_model(root / arch, arch=arch) for arch in ("llama", "qwen2", "qwen3")}
 
 
-def _generate(path, monkeypatch, use_step: bool, weight_dtype: str, n_prompts: int):
+def _generate(path, monkeypatch, use_step: bool, weight_dtype: str, n_prompts: int, kv_cache_dtype: str = "auto"):
     monkeypatch.setattr(decoder, "USE_DECODE_STEP", use_step)
     steps = []
     real = decoder.DecoderModel._decode_step
@@ -32,7 +32,7 @@ def _generate(path, monkeypatch, use_step: bool, weight_dtype: str, n_prompts: i
         return real(self, *a, **kw)
 
     monkeypatch.setattr(decoder.DecoderModel, "_decode_step", spy)
-    llm = LLM(str(path), dtype="float32", weight_dtype=weight_dtype, num_kv_blocks=128)
+    llm = LLM(str(path), dtype="float32", weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype, num_kv_blocks=128)
     g = torch.Generator().manual_seed(n_prompts)
     prompts = [torch.randint(3, 250, (int(n),), generator=g).tolist()
                for n in torch.randint(2, 40, (n_prompts,), generator=g)]
@@ -94,3 +94,45 @@ def test_decode_step_writes_the_new_tokens_kv_into_the_cache(models):
     k1, v1 = runner.kv_caches[0]
     changed = ((k1 != k0).any(dim=2) | (v1 != v0).any(dim=2)).any(dim=0).nonzero().flatten().tolist()
     assert changed == [3, 16]  # exactly the two slots of the two rows
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decode_step_with_a_float16_cache(models, monkeypatch, arch):
+    """K/V stored in float16 (what "auto" picks beside float16 weights): the step kernel writes
+    and reads the cache as the per-operator path does."""
+    step = _generate(models[arch], monkeypatch, True, "float16", 5, kv_cache_dtype="float16")
+    ops = _generate(models[arch], monkeypatch, False, "float16", 5, kv_cache_dtype="float16")
+    for a, b in zip(step, ops):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for (ca, _), (cb, _) in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert ca.logprob == pytest.approx(cb.logprob, rel=1e-4, abs=1e-4)
+
+
+def test_float16_cache_through_plain_torch_matches_the_kernels(models, monkeypatch):
+    """The plain-operator paths (no fused operators, SDPA decode attention) convert to and from a
+    float16 cache and give the kernels' tokens."""
+    from inferlab.models import attention
+
+    kernels = _generate(models["llama"], monkeypatch, True, "float32", 4, kv_cache_dtype="float16")
+    monkeypatch.setattr(decoder, "USE_FUSED_OPS", False)
+    monkeypatch.setattr(attention, "USE_DECODE_KERNEL", False)
+    plain = _generate(models["llama"], monkeypatch, False, "float32", 4, kv_cache_dtype="float16")
+    for a, b in zip(kernels, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for (ca, _), (cb, _) in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert ca.logprob == pytest.approx(cb.logprob, rel=1e-3, abs=1e-3)
+
+
+def test_kv_cache_dtype_auto_follows_the_weights(monkeypatch):
+    from inferlab.config import CacheConfig, LoadConfig
+    from inferlab.models import loader
+
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)  # an AVX2 CPU: float32 compute
+    monkeypatch.setattr(loader.kernels_build, "available", lambda: True)
+    assert loader.resolve_kv_dtype(LoadConfig(), CacheConfig()) == torch.float16
+    assert loader.resolve_kv_dtype(LoadConfig(dtype="float32"), CacheConfig()) == torch.float32
+    assert loader.resolve_kv_dtype(LoadConfig(dtype="float32"), CacheConfig(cache_dtype="float16")) == torch.float16
+    monkeypatch.setattr(loader.kernels_build, "available", lambda: False)
+    assert loader.resolve_kv_dtype(LoadConfig(), CacheConfig()) == torch.float32
+    with pytest.raises(ValueError, match="cache_dtype"):
+        CacheConfig(cache_dtype="int4")

@@ -52,6 +52,7 @@ class ModelConfig:
 
 
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -88,8 +89,13 @@ class CacheConfig:
     kv_cache_memory: int | None = None
     num_blocks_override: int | None = None  # exact number of blocks (tests force preemption with this)
     enable_prefix_caching: bool = True
+    # How K and V are stored: "auto" (float16 where the weights are float16 by "auto": a float32
+    # CPU with our kernels; else the compute dtype) | "float32" | "bfloat16" | "float16".
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.cache_dtype!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

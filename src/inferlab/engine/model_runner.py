@@ -7,6 +7,7 @@ order the scheduler listed the requests in; the output maps back to the schedule
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -29,7 +30,9 @@ from inferlab.models.attention import (
     prefill_tile,
 )
 from inferlab.models.decoder import DecoderModel
-from inferlab.models.loader import resolve_dtype, resolve_weight_dtype
+from inferlab.models.loader import resolve_dtype, resolve_kv_dtype, resolve_weight_dtype
+
+log = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB on the CPU when nothing else is said
 
@@ -61,15 +64,19 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.weight_dtype = resolve_weight_dtype(load_config)  # how the linear layers' weights are stored
         self.model = DecoderModel(model_config, weights, self.dtype, weight_dtype=self.weight_dtype)
-        self.num_blocks = num_kv_blocks(model_config, cache_config, self.dtype)
+        self.kv_dtype = resolve_kv_dtype(load_config, cache_config)
+        self.num_blocks = num_kv_blocks(model_config, cache_config, self.kv_dtype)
         self.kv_caches = allocate_kv_cache(
             model_config.num_layers,
             model_config.num_kv_heads,
             model_config.head_dim,
             self.num_blocks * self.block_size,
-            self.dtype,
+            self.kv_dtype,
             device=self.device,
         )
+        log.info("KV cache: %d blocks of %d tokens, %s, %.0f MiB", self.num_blocks, self.block_size,
+                 str(self.kv_dtype).removeprefix("torch."),
+                 sum(k.nbytes + v.nbytes for k, v in self.kv_caches) / 2**20)
         self.sampler = Sampler(load_config.seed)
 
     @torch.inference_mode()

@@ -20,6 +20,8 @@ class LLM:
     weight_dtype is how the linear layers' weights are stored: "auto" is float16 when dtype
     "auto" resolved to float32 on the CPU and our kernels load (half the bytes a decode step
     reads), else the compute dtype; or "float32" | "bfloat16" | "float16" | "int8".
+    kv_cache_dtype is how K and V are stored: "auto" is float16 where "auto" weights are, else
+    the compute dtype; or "float32" | "bfloat16" | "float16".
     """
 
     def __init__(
@@ -28,6 +30,7 @@ class LLM:
         *,
         dtype: str = "auto",
         weight_dtype: str = "auto",
+        kv_cache_dtype: str = "auto",
         load_format: str = "auto",
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
@@ -58,6 +61,7 @@ class LLM:
                 kv_cache_memory=kv_cache_memory,
                 num_blocks_override=num_kv_blocks,
                 enable_prefix_caching=enable_prefix_caching,
+                cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

@@ -211,8 +211,8 @@ def decode_attention_sdpa(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """The fallback (and the tests' reference): q [B, H, D] -> [B, H, D] over gathered contexts."""
-    kd = _gather_context(k_cache, slots)
-    vd = _gather_context(v_cache, slots)
+    kd = _gather_context(k_cache, slots).to(q.dtype)
+    vd = _gather_context(v_cache, slots).to(q.dtype)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.squeeze(2)
 
@@ -296,8 +296,8 @@ def prefill_attention(
         for chunk, table in zip(p.continuing, p.block_tables):
             n, ctx = chunk.num_tokens, chunk.start + chunk.num_tokens
             blocks = table[: (ctx + p.block_size - 1) // p.block_size]
-            kc = gather_blocks(k_cache, blocks, p.block_size, ctx)
-            vc = gather_blocks(v_cache, blocks, p.block_size, ctx)
+            kc = gather_blocks(k_cache, blocks, p.block_size, ctx).to(q.dtype)
+            vc = gather_blocks(v_cache, blocks, p.block_size, ctx).to(q.dtype)
             qc = q[chunk.row : chunk.row + n].transpose(0, 1).unsqueeze(0)
             oc = out[chunk.row : chunk.row + n].transpose(0, 1).unsqueeze(0)
             attend_causal(qc, kc, vc, oc, chunk.start, p.tile, p.causal_bias, scale)
@@ -315,9 +315,9 @@ def paged_attention(
     """Write k/v into the cache (unless `kv_written`: a fused op already did), attend, return
     [T, H * D]."""
     k_cache, v_cache = kv_cache
-    if not kv_written:
-        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    if not kv_written:  # (the cache may be stored narrower than the activations)
+        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
 
     t, h, d = q.shape
     nd = meta.num_decode_tokens

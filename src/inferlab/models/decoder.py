@@ -30,6 +30,7 @@ USE_FUSED_OPS = True
 USE_DECODE_STEP = True
 
 Linear = DenseLinear | WeightOnlyLinear
+STEP_CACHE_DTYPES = (torch.float32, torch.float16)  # the K/V caches DecoderStep reads and writes
 
 
 @dataclass
@@ -157,7 +158,7 @@ class DecoderModel:
         g = meta.decode
         t = input_ids.shape[0]
         if (USE_DECODE_STEP and self.step_ok and meta.num_decode_tokens == t and t < MKL_MIN_ROWS
-                and g is not None and g.block_tables is not None):
+                and g is not None and g.block_tables is not None and kv_caches[0][0].dtype in STEP_CACHE_DTYPES):
             # A decode-only step (most steps): every layer in one kernel call. From MKL_MIN_ROWS
             # rows on, the per-operator path's GEMMs are faster than the decode micro-kernel.
             x = self.embed.rows(input_ids).contiguous()  # a fresh tensor: the step updates it in place

@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 
-from inferlab.config import WEIGHT_DTYPES
+from inferlab.config import KV_CACHE_DTYPES, WEIGHT_DTYPES
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -55,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-dtype", default="auto", choices=list(WEIGHT_DTYPES),
                    help="how the linear layers' weights are stored (auto: float16 when --dtype auto computes "
                         "in float32 on the CPU and our kernels load, else as --dtype)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="how K and V are stored (auto: float16 where --weight-dtype auto is float16, else as --dtype)")
     p.add_argument("--load-format", default="auto", choices=["auto", "gguf", "hf", "dummy"])
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on inference routes (or set INFERLAB_API_KEY)")
@@ -84,6 +86,7 @@ def _engine_config(args: argparse.Namespace):
             block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory,
             enable_prefix_caching=not args.no_prefix_caching,
+            cache_dtype=args.kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(**sched),
         num_threads=args.num_threads,

@@ -25,7 +25,7 @@
 //   layer_tensors: 13 per layer, in order: input_norm, qkv_w, qkv_scale, qkv_bias, q_norm, k_norm,
 //     o_w, o_scale, post_norm, gate_up_w, gate_up_scale, down_w, down_scale; an empty tensor
 //     (numel 0) for one the model does not have. Weights: one dtype for all (float32, float16,
-//     bfloat16, or int8 with float32 per-row scales). Caches: float32 [kvH, slots, D].
+//     bfloat16, or int8 with float32 per-row scales). Caches: float32 or float16 [kvH, slots, D].
 // .forward(x [M, hidden] float32 (the token embeddings; used as the residual stream and
 //          overwritten), positions [M] int64, slots [M] int64, block_tables [M, max_blocks] int32,
 //          context_lens [M] int32) -> [M, hidden], the final norm's output.
@@ -43,13 +43,12 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace {
 
 using namespace inferlab_matvec;  // block_dots, kRowsW
-using namespace inferlab_rows;    // rms_norm_row, rope_row, silu_mul_row
+using namespace inferlab_rows;    // rms_norm_row, rope_row, silu_mul_row, store_row
 
 // Tasks per thread in a phase of column chunks: few, so that each task streams one long run of
 // weight rows (the prefetch restarts at every task), but more than one, so that a thread that
@@ -103,6 +102,7 @@ struct Work {
   std::vector<float> buf;    // kRowsW * K: a weight block converted to float32 (M > 3)
   std::vector<float> dots;   // M * kRowsW: one block's products
   std::vector<float> head;   // M * D: one head of the qkv product
+  std::vector<float> rot;    // D: a rotated K row on its way into the cache
   std::vector<float> h;      // M * hidden: a tiny batch's norm, computed by every thread
   std::vector<float> cols;   // M * task width: one task's columns of a product
   std::vector<float> cols2;  // M * task width: the up half of gate/up
@@ -168,14 +168,17 @@ class DecoderStep : public torch::CustomClassHolder {
                         "DecoderStep: every linear weight must have the same dtype");
       const at::Tensor& kc = k_caches_[l];
       const at::Tensor& vc = v_caches_[l];
-      check_f32(kc, "k_cache");
-      check_f32(vc, "v_cache");
+      TORCH_CHECK_VALUE((kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kHalf) &&
+                            vc.scalar_type() == kc.scalar_type() && kc.scalar_type() == k_caches_[0].scalar_type() &&
+                            kc.is_contiguous() && vc.is_contiguous() && kc.device().is_cpu() && vc.device().is_cpu(),
+                        "DecoderStep: caches must be contiguous float32 or float16 CPU tensors, all of one dtype");
       TORCH_CHECK_VALUE(kc.dim() == 3 && kc.size(0) == kv_heads_ && kc.size(2) == head_dim_ &&
                             vc.sizes() == kc.sizes() && kc.size(1) % block_size_ == 0,
                         "DecoderStep: caches must be [kvH, slots, D] with slots a multiple of block_size");
       layers_.push_back(std::move(ly));
     }
     weight_dtype_ = layers_[0].qkv.w.scalar_type();
+    cache_dtype_ = k_caches_[0].scalar_type();
   }
 
   at::Tensor forward(at::Tensor x, at::Tensor positions, at::Tensor slots, at::Tensor block_tables,
@@ -206,10 +209,10 @@ class DecoderStep : public torch::CustomClassHolder {
     inferlab_attention::check_tables<int32_t>(block_tables, context_lens, block_size_, num_slots, "DecoderStep");
     at::Tensor out = at::empty_like(x);
     switch (weight_dtype_) {
-      case at::kFloat: run<float>(x, positions, slots, block_tables, context_lens, out); break;
-      case at::kHalf: run<at::Half>(x, positions, slots, block_tables, context_lens, out); break;
-      case at::kBFloat16: run<at::BFloat16>(x, positions, slots, block_tables, context_lens, out); break;
-      case at::kChar: run<int8_t>(x, positions, slots, block_tables, context_lens, out); break;
+      case at::kFloat: run_cache<float>(x, positions, slots, block_tables, context_lens, out); break;
+      case at::kHalf: run_cache<at::Half>(x, positions, slots, block_tables, context_lens, out); break;
+      case at::kBFloat16: run_cache<at::BFloat16>(x, positions, slots, block_tables, context_lens, out); break;
+      case at::kChar: run_cache<int8_t>(x, positions, slots, block_tables, context_lens, out); break;
       default: TORCH_CHECK_VALUE(false, "DecoderStep: unsupported weight dtype ", weight_dtype_);
     }
     return out;
@@ -298,6 +301,14 @@ class DecoderStep : public torch::CustomClassHolder {
   }
 
   template <typename T>
+  void run_cache(at::Tensor& x, const at::Tensor& pos, const at::Tensor& slots, const at::Tensor& tables,
+                 const at::Tensor& lens, at::Tensor& out) const {
+    if (cache_dtype_ == at::kHalf) run<T, at::Half>(x, pos, slots, tables, lens, out);
+    else run<T, float>(x, pos, slots, tables, lens, out);
+  }
+
+  // T: the weights' storage type, C: the K/V cache's.
+  template <typename T, typename C>
   void run(at::Tensor& x_t, const at::Tensor& pos_t, const at::Tensor& slots_t, const at::Tensor& tables_t,
            const at::Tensor& lens_t, at::Tensor& out_t) const {
     const int64_t m = x_t.size(0), h = heads_, kvh = kv_heads_, d = head_dim_, g = h / kvh;
@@ -329,6 +340,7 @@ class DecoderStep : public torch::CustomClassHolder {
       wk.buf.resize(std::max<size_t>(wk.buf.size(), kRowsW * max_k));
       wk.dots.resize(std::max<size_t>(wk.dots.size(), kRowsW * m));
       wk.head.resize(std::max<size_t>(wk.head.size(), m * d));
+      wk.rot.resize(std::max<size_t>(wk.rot.size(), d));
       wk.h.resize(std::max<size_t>(wk.h.size(), m * hidden_));
       wk.cols.resize(std::max<size_t>(wk.cols.size(), m * std::max(hidden_w, inter_w)));
       wk.cols2.resize(std::max<size_t>(wk.cols2.size(), m * inter_w));
@@ -336,8 +348,8 @@ class DecoderStep : public torch::CustomClassHolder {
       PhaseClock clock(profiling_ && omp_get_thread_num() == 0 ? phase_seconds_.data() : nullptr);
       for (size_t l = 0; l < layers_.size(); ++l) {
         const Layer& ly = layers_[l];
-        float* kc = k_caches_[l].data_ptr<float>();
-        float* vc = v_caches_[l].data_ptr<float>();
+        C* kc = k_caches_[l].data_ptr<C>();
+        C* vc = v_caches_[l].data_ptr<C>();
         clock.mark(kQkv);
         const float* hn = norm_rows(x, ly.input_norm, m, hbuf, wk);
 
@@ -355,9 +367,10 @@ class DecoderStep : public torch::CustomClassHolder {
             if (hh < h) {
               rope_row(row, c, s, q + (i * h + hh) * d, d);
             } else if (hh < h + kvh) {
-              rope_row(row, c, s, kc + ((hh - h) * num_slots + slots[i]) * d, d);
+              rope_row(row, c, s, wk.rot.data(), d);
+              store_row(wk.rot.data(), kc + ((hh - h) * num_slots + slots[i]) * d, d);
             } else {
-              std::memcpy(vc + ((hh - h - kvh) * num_slots + slots[i]) * d, row, sizeof(float) * d);
+              store_row(row, vc + ((hh - h - kvh) * num_slots + slots[i]) * d, d);
             }
           }
         }
@@ -367,7 +380,7 @@ class DecoderStep : public torch::CustomClassHolder {
         for (int64_t task = 0; task < m * kvh; ++task) {
           const int64_t i = task / kvh, kh = task % kvh;
           const int64_t off = (i * h + kh * g) * d;
-          inferlab_attention::decode_heads<float, float>(q + off, kc + kh * num_slots * d, vc + kh * num_slots * d,
+          inferlab_attention::decode_heads<C, float>(q + off, kc + kh * num_slots * d, vc + kh * num_slots * d,
                                                          tables + i * max_blocks, lens[i], block_size_, d, g,
                                                          attn_scale_, attn + off, wk.attn);
         }
@@ -409,7 +422,7 @@ class DecoderStep : public torch::CustomClassHolder {
   std::vector<at::Tensor> k_caches_, v_caches_;
   int64_t heads_ = 0, kv_heads_ = 0, head_dim_ = 0, block_size_ = 0, hidden_ = 0;
   float eps_, attn_scale_;
-  at::ScalarType weight_dtype_ = at::kFloat;
+  at::ScalarType weight_dtype_ = at::kFloat, cache_dtype_ = at::kFloat;
 };
 
 }  // namespace

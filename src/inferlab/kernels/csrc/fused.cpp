@@ -4,11 +4,12 @@
 //   add_rms_norm_(x, residual, weight, eps) -> out     x += residual; out = rms_norm(x) * weight
 //   rope_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slots, H, kvH, D) -> (q, k)
 //       rotate q and k of each token (rotate-half layout), write k and v into the paged cache
-//       at `slots` ([kvH, num_slots, D] caches), return the rotated q [T, H, D] and k [T, kvH, D]
+//       at `slots` ([kvH, num_slots, D] caches of float32, float16 or bfloat16), return the
+//       rotated q [T, H, D] and k [T, kvH, D] (float32)
 //       (a fresh prompt attends to its own k and v without reading the cache back)
 //   silu_mul(x) -> out                                 x = [gate | up] -> silu(gate) * up
 //
-// float32 only: the callers use them on the float32 compute path and fall back to torch
+// float32 activations only (the caches may be 16-bit): the callers use them on the float32 compute path and fall back to torch
 // operators otherwise.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,7 +25,7 @@
 
 namespace {
 
-using namespace inferlab_rows;  // rms_norm_row, rope_row, silu_mul_row
+using namespace inferlab_rows;  // rms_norm_row, rope_row, silu_mul_row, store_row
 
 void check_f32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
@@ -61,8 +62,11 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at
   check_f32(qkv, "qkv");
   check_f32(cos, "cos");
   check_f32(sin, "sin");
-  check_f32(k_cache, "k_cache");
-  check_f32(v_cache, "v_cache");
+  const auto cdt = k_cache.scalar_type();
+  TORCH_CHECK(cdt == at::kFloat || cdt == at::kHalf || cdt == at::kBFloat16,
+              "k_cache must be float32, float16 or bfloat16, got ", cdt);
+  TORCH_CHECK(v_cache.scalar_type() == cdt, "k_cache and v_cache must share one dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
   TORCH_CHECK(head_dim % 2 == 0, "head_dim must be even");
   const int64_t t = qkv.size(0);
   const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;
@@ -88,26 +92,32 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at
   const float* snp = sin.data_ptr<float>();
   float* qp = q.data_ptr<float>();
   float* kp = k.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
   const int64_t d = head_dim;
-  at::parallel_for(0, t, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* row = in + i * width;
-      const float* c = cp + pp[i] * d;
-      const float* s = snp + pp[i] * d;
-      for (int64_t h = 0; h < num_heads; ++h) rope_row(row + h * d, c, s, qp + (i * num_heads + h) * d, d);
-      const float* krow = row + num_heads * d;
-      const float* vrow = krow + num_kv_heads * d;
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
-        const int64_t off = (h * num_slots + sp[i]) * d;
-        float* kout = kp + (i * num_kv_heads + h) * d;
-        rope_row(krow + h * d, c, s, kout, d);
-        std::memcpy(kc + off, kout, sizeof(float) * d);
-        std::memcpy(vc + off, vrow + h * d, sizeof(float) * d);
+  auto write = [&](auto* kc, auto* vc) {
+    at::parallel_for(0, t, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const float* row = in + i * width;
+        const float* c = cp + pp[i] * d;
+        const float* s = snp + pp[i] * d;
+        for (int64_t h = 0; h < num_heads; ++h) rope_row(row + h * d, c, s, qp + (i * num_heads + h) * d, d);
+        const float* krow = row + num_heads * d;
+        const float* vrow = krow + num_kv_heads * d;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          const int64_t off = (h * num_slots + sp[i]) * d;
+          float* kout = kp + (i * num_kv_heads + h) * d;
+          rope_row(krow + h * d, c, s, kout, d);
+          store_row(kout, kc + off, d);
+          store_row(vrow + h * d, vc + off, d);
+        }
       }
-    }
-  });
+    });
+  };
+  if (cdt == at::kFloat)
+    write(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+  else if (cdt == at::kHalf)
+    write(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>());
+  else
+    write(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
   return {q, k};
 }
 

@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace inferlab_rows {
 
@@ -38,6 +39,19 @@ inline void silu_mul_row(const float* g, const float* u, int64_t n, float* out) 
     _mm256_storeu_ps(out + j, _mm256_div_ps(_mm256_mul_ps(gv, _mm256_loadu_ps(u + j)), den));
   }
   for (; j < n; ++j) out[j] = g[j] * u[j] / (1.f + std::exp(-g[j]));
+}
+
+// A float32 row into a K/V cache row of float32, float16 or bfloat16 (round to nearest even).
+inline void store_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, sizeof(float) * n); }
+inline void store_row(const float* src, at::Half* dst, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; j < n; ++j) dst[j] = static_cast<at::Half>(src[j]);
+}
+inline void store_row(const float* src, at::BFloat16* dst, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<at::BFloat16>(src[j]);
 }
 
 }  // namespace inferlab_rows
