@@ -136,3 +136,14 @@ def test_kv_cache_dtype_auto_follows_the_weights(monkeypatch):
     assert loader.resolve_kv_dtype(LoadConfig(), CacheConfig()) == torch.float32
     with pytest.raises(ValueError, match="cache_dtype"):
         CacheConfig(cache_dtype="int4")
+
+
+def test_a_model_the_step_cannot_take_falls_back_to_the_operators(tmp_path, monkeypatch, caplog):
+    """head_dim 6 (not a multiple of 4): DecoderStep refuses it at construction; the model logs
+    why and runs its decode steps per operator, with the same tokens as with the step turned off."""
+    path = make_tiny_hf_model(tmp_path / "odd", arch="llama", hidden_size=24, head_dim=6)
+    with caplog.at_level("WARNING"):
+        on = _generate(path, monkeypatch, True, "float32", 2)
+    assert "does not take this model" in caplog.text
+    off = _generate(path, monkeypatch, False, "float32", 2)
+    assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]

@@ -161,10 +161,11 @@ class DecoderModel:
                 and g is not None and g.block_tables is not None and kv_caches[0][0].dtype in STEP_CACHE_DTYPES):
             # A decode-only step (most steps): every layer in one kernel call. From MKL_MIN_ROWS
             # rows on, the per-operator path's GEMMs are faster than the decode micro-kernel.
-            x = self.embed.rows(input_ids).contiguous()  # a fresh tensor: the step updates it in place
             step = self._decode_step(kv_caches, g.block_size)
-            with torch.profiler.record_function("inferlab::decoder_step"):  # a custom class is no op to the profiler
-                return step.forward(x, positions, meta.slot_mapping, g.block_tables, g.context_lens)
+            if step is not None:
+                x = self.embed.rows(input_ids).contiguous()  # a fresh tensor: the step updates it in place
+                with torch.profiler.record_function("inferlab::decoder_step"):  # a custom class is no op to the profiler
+                    return step.forward(x, positions, meta.slot_mapping, g.block_tables, g.context_lens)
         if USE_FUSED_OPS and self.fused_ok:
             return self._forward_fused(input_ids, positions, kv_caches, meta)
         c = self.config
@@ -221,7 +222,8 @@ class DecoderModel:
 
     def _decode_step(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int):
         """The DecoderStep over these caches, built once (it holds references to the weights and
-        the caches, not copies)."""
+        the caches, not copies); None, with the reason logged once, for a model it cannot take
+        (a head_dim not a multiple of 4, say): those steps stay on the per-operator path."""
         if self._step is None or self._step_caches is not kv_caches:
             c = self.config
             none = torch.empty(0)
@@ -237,9 +239,16 @@ class DecoderModel:
                             none if layer.q_norm is None else layer.q_norm,
                             none if layer.k_norm is None else layer.k_norm,
                             *lin(layer.o), layer.post_norm, *lin(layer.gate_up), *lin(layer.down)]
-            self._step = torch.classes.inferlab.DecoderStep(
-                tensors, self.final_norm, self.cos, self.sin, [k for k, _ in kv_caches], [v for _, v in kv_caches],
-                [c.num_heads, c.num_kv_heads, c.head_dim, block_size], c.rms_norm_eps, self.scale)
+            try:
+                self._step = torch.classes.inferlab.DecoderStep(
+                    tensors, self.final_norm, self.cos, self.sin, [k for k, _ in kv_caches],
+                    [v for _, v in kv_caches], [c.num_heads, c.num_kv_heads, c.head_dim, block_size],
+                    c.rms_norm_eps, self.scale)
+            except (RuntimeError, ValueError) as e:
+                log.warning("the decode step kernel does not take this model (%s); decode steps run per operator",
+                            str(e).splitlines()[0])
+                self.step_ok = False
+                return None
             self._step_caches = kv_caches
         return self._step
 
