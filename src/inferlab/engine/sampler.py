@@ -4,11 +4,11 @@ min-p sampling, per-request seeds, logprobs.
 Sampling is by inverse CDF: one uniform per row picks the token whose share of the running sum
 it falls in (noise for every token of a 49,152-token vocabulary made a 32-row step's sampling
 51 ms instead of 6 on a CPU), and top-k / top-p narrow the row to a few hundred candidates
-first instead of sorting it whole. Every request's choice depends only on its own logits and parameters: a seeded request draws
-its uniform from a generator keyed by (seed, number of tokens already generated), so the same
-request gives the same tokens alone or in any batch, with no generator state to carry between
-steps. Work that only some rows need (penalties, top-k/top-p sorting, logprobs) runs
-only when some row asks for it.
+first instead of sorting it whole. Every request's choice depends only on its own logits and
+parameters: a seeded request draws its uniform from a generator keyed by (seed, number of
+tokens already generated), so the same request gives the same tokens alone or in any batch,
+with no generator state to carry between steps. Work that only some rows need (penalties,
+top-k/top-p sorting, logprobs) runs only when some row asks for it.
 """
 
 from __future__ import annotations
