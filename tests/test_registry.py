@@ -126,9 +126,19 @@ def test_default_model_resolves_offline_once_cached(monkeypatch: pytest.MonkeyPa
     assert DEFAULT_MODEL.sha256 == registry.sha256_file(path)
 
 
-def test_default_cache_dir() -> None:
+def test_default_cache_dir(monkeypatch) -> None:
+    monkeypatch.delenv("INFERLAB_CACHE", raising=False)
     assert default_cache_dir() == Path.home() / ".cache" / "inferlab" / "models"
     assert default_cache_dir("/somewhere/else") == Path("/somewhere/else")
+
+
+def test_one_variable_moves_the_models_and_the_kernels(monkeypatch, tmp_path) -> None:
+    """$INFERLAB_CACHE is the root of both caches (it used to move only the kernels)."""
+    from inferlab.kernels import build
+
+    monkeypatch.setenv("INFERLAB_CACHE", str(tmp_path))
+    assert default_cache_dir() == tmp_path / "models"
+    assert build._cache_dir([]).parent == tmp_path / "kernels"
 
 
 def test_local_paths(tmp_path: Path) -> None:

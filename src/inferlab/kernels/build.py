@@ -8,8 +8,8 @@ registers its operators with `TORCH_LIBRARY_FRAGMENT(inferlab, m)`, so after `lo
 torch's own OpenMP pool through `at::parallel_for`: a second OpenMP runtime would fight it for
 the cores).
 
-The build (~1 min on 2 cores, once) lands in ~/.cache/inferlab/kernels/<hash of sources, flags,
-torch version>, so a changed source or torch rebuilds and a clean machine builds once.
+The build (~35 s on 2 cores, once) lands in ~/.cache/inferlab/kernels/<hash of sources, flags,
+torch version> ($INFERLAB_CACHE/kernels/... when set, see cache_paths.py), so a changed source or torch rebuilds and a clean machine builds once.
 `INFERLAB_KERNELS=0` turns them off (everything falls back to plain torch operators); so does a
 CPU without AVX2/FMA/F16C or a missing compiler, with the reason kept in `unavailable_reason()`.
 """
@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from inferlab.cache_paths import cache_root
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
@@ -41,8 +43,7 @@ def _cache_dir(sources: list[Path]) -> Path:
         h.update(p.read_bytes())
     h.update(" ".join(CFLAGS).encode())
     h.update(torch.__version__.encode())
-    root = Path(os.environ.get("INFERLAB_CACHE", Path.home() / ".cache" / "inferlab"))
-    return root / "kernels" / h.hexdigest()[:16]
+    return cache_root() / "kernels" / h.hexdigest()[:16]
 
 
 def _why_not() -> str | None:

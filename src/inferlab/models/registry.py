@@ -22,6 +22,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from inferlab.cache_paths import cache_root
+
 log = logging.getLogger(__name__)
 
 
@@ -72,8 +74,8 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 def default_cache_dir(cache_dir: str | Path | None = None) -> Path:
-    """`cache_dir` if given, else ~/.cache/inferlab/models (the CLI decides about environment variables)."""
-    return Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "inferlab" / "models"
+    """`cache_dir` if given, else models/ under the cache root (~/.cache/inferlab, or $INFERLAB_CACHE)."""
+    return Path(cache_dir).expanduser() if cache_dir else cache_root() / "models"
 
 
 def sha256_file(path: Path) -> str:
