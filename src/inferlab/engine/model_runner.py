@@ -128,7 +128,7 @@ class ModelRunner:
         decode_group = None
         if decodes:
             paged = self.device.type == "cpu" and decode_kernel_enabled(self.kv_caches[0][0].dtype)
-            decode_group = self._group(decodes, decode_lens, [1] * nd, pos[:nd], paged=paged)
+            decode_group = self._decode_group(decodes, decode_lens, paged)
         prefill = self._prefill_batch(prefills, nd) if prefills else None
         meta = AttentionMetadata(slot_mapping, nd, decode_group, prefill)
 
@@ -156,7 +156,7 @@ class ModelRunner:
             max_context = max(max_context, s.start_pos + n)
             if s.start_pos > 0:
                 continuing.append(ContinuingChunk(row, n, s.start_pos))
-                tables.append(s.block_ids[: (s.start_pos + n + bs - 1) // bs])
+                tables.append(s.block_ids[: -(-(s.start_pos + n) // bs)])
             elif fresh and fresh[-1].num_tokens == n and fresh[-1].row + fresh[-1].count * n == row:
                 last = fresh[-1]
                 fresh[-1] = FreshRun(last.row, last.count + 1, n)
@@ -164,42 +164,28 @@ class ModelRunner:
                 fresh.append(FreshRun(row, 1, n))
             row += n
         tile = prefill_tile(self.device, longest)
-        block_tables = None
-        if tables:
-            width = max(len(b) for b in tables)
-            block_tables = torch.tensor([b + [0] * (width - len(b)) for b in tables], dtype=torch.long)
+        block_tables = padded_block_tables(tables, torch.long) if tables else None
         # A step of fresh chunks that are each one `is_causal` call (no longer than a tile, or
         # longer than TILED_FRESH_MAX) needs no mask.
         tiled = continuing or any(tile < r.num_tokens <= TILED_FRESH_MAX for r in fresh)
         bias = causal_bias_band(tile, max_context, self.dtype) if tiled else None
         return PrefillBatch(tuple(fresh), tuple(continuing), block_tables, bs, tile, bias)
 
-    def _group(
-        self,
-        reqs: list[ScheduledRequest],
-        ctx_lens: list[int],
-        q_lens: list[int],
-        starts: list[int],
-        paged: bool = False,
-    ) -> BatchGroup:
-        """Requests attended in one call: block tables and context lengths for the paged decode
-        kernel (`paged`), else the padded slot table and mask for SDPA.
-
-        Query i of request b sits at position starts[b] + i and may see context positions
-        0 .. starts[b] + i; positions past ctx_lens[b] are padding.
-        """
+    def _decode_group(self, decodes: list[ScheduledRequest], ctx_lens: list[int], paged: bool) -> BatchGroup:
+        """The step's decodes, attended in one call: block tables and context lengths for the paged
+        decode kernel (`paged`), else the padded slot table and mask for SDPA. Decode b's one
+        query sits at position ctx_lens[b] - 1 and sees positions 0 .. ctx_lens[b] - 1."""
         bs = self.block_size
-        need = [(n + bs - 1) // bs for n in ctx_lens]
-        nblk = max(need)
-        # Zero-padded rows of each request's first `need` blocks, in one tensor conversion.
-        rows = [s.block_ids[:k] + [0] * (nblk - k) for s, k in zip(reqs, need)]
+        tables = padded_block_tables([s.block_ids[: -(-n // bs)] for s, n in zip(decodes, ctx_lens)],
+                                     torch.int32 if paged else torch.long)
         if paged:
-            return BatchGroup(
-                block_tables=torch.tensor(rows, dtype=torch.int32),
-                context_lens=torch.tensor(ctx_lens, dtype=torch.int32),
-                block_size=bs,
-            )
-        slots, mask = padded_slots_and_mask(
-            torch.tensor(rows, dtype=torch.long), bs, torch.tensor(starts, dtype=torch.long), max(q_lens), max(ctx_lens)
-        )
+            return BatchGroup(block_tables=tables, context_lens=torch.tensor(ctx_lens, dtype=torch.int32), block_size=bs)
+        starts = torch.tensor(ctx_lens, dtype=torch.long) - 1
+        slots, mask = padded_slots_and_mask(tables, bs, starts, 1, max(ctx_lens))
         return BatchGroup(slots=slots, mask=mask)
+
+
+def padded_block_tables(tables: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+    """Requests' block lists as one [B, longest] tensor, zero-padded, in one conversion."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=dtype)

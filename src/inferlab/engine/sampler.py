@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from inferlab.engine.outputs import ScheduledRequest
-from inferlab.engine.request import Logprob, TokenLogprobs
+from inferlab.engine.request import Logprob, SamplingParams, TokenLogprobs
 
 _NEG_INF = float("-inf")
 
@@ -46,15 +46,14 @@ class Sampler:
         if all(p.greedy for p in params):
             tokens = logits.argmax(dim=-1)
         else:
-            tokens = self._sample(logits, rows)
+            tokens = self._sample(logits, rows, params)
         token_list = tokens.tolist()
         lp = None
         if raw_logprobs is not None:
             lp = gather_logprobs(raw_logprobs, token_list, rows)
         return SamplerOutput(token_list, lp)
 
-    def _sample(self, logits: torch.Tensor, rows: list[ScheduledRequest]) -> torch.Tensor:
-        params = [r.sampling_params for r in rows]
+    def _sample(self, logits: torch.Tensor, rows: list[ScheduledRequest], params: list[SamplingParams]) -> torch.Tensor:
         greedy = torch.tensor([p.greedy for p in params])
         temp = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float32)
         argmax = logits.argmax(dim=-1)
@@ -66,10 +65,7 @@ class Sampler:
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
             sampled = sample_truncated(logits, top_k, top_p, min_p, u)
         else:
-            probs = torch.softmax(logits, dim=-1)
-            if bool((min_p > 0).any()):
-                probs = apply_min_p(probs, probs.max(dim=-1, keepdim=True).values, min_p)
-            sampled = inverse_cdf(probs, u)
+            sampled = sample_softmax(logits, min_p, u)
         return torch.where(greedy, argmax, sampled)
 
     def _uniforms(self, rows: list[ScheduledRequest]) -> torch.Tensor:
@@ -111,13 +107,26 @@ def apply_min_p(probs: torch.Tensor, top: torch.Tensor, min_p: torch.Tensor) -> 
     return torch.where(probs < top * min_p, 0.0, probs)
 
 
+def sample_softmax(logits: torch.Tensor, min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Sample each row from softmax(logits) (then min-p) with its uniform u."""
+    probs = torch.softmax(logits, dim=-1)
+    if bool((min_p > 0).any()):
+        probs = apply_min_p(probs, probs.max(dim=-1, keepdim=True).values, min_p)
+    return inverse_cdf(probs, u)
+
+
+def _top_k_limits(top_k: list[int], vocab: int) -> torch.Tensor:
+    """Each row's top-k as a rank limit: k, or the whole vocabulary for 0 (off) or k >= vocab."""
+    return torch.tensor([k if 0 < k < vocab else vocab for k in top_k])
+
+
 def sample_truncated(
     logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: torch.Tensor, u: torch.Tensor
 ) -> torch.Tensor:
     """Sample each row from its top-k, then top-p nucleus (then min-p), as `apply_top_k_top_p`
     defines them, working on the CANDIDATES highest logits (or each row's top-k, if larger)."""
     n, vocab = logits.shape
-    k_eff = torch.tensor([k if 0 < k < vocab else vocab for k in top_k])
+    k_eff = _top_k_limits(top_k, vocab)
     kc = min(vocab, max([CANDIDATES] + [k for k in top_k if 0 < k < vocab]))
     vals, ids = logits.topk(kc, dim=-1)  # sorted, highest first
     drop = torch.arange(kc).unsqueeze(0) >= k_eff.unsqueeze(1)
@@ -139,11 +148,8 @@ def sample_truncated(
     sampled = ids.gather(1, inverse_cdf(probs, u).unsqueeze(1)).squeeze(1)
     if bool(beyond.any()):
         rows = beyond.nonzero().squeeze(1)
-        sub = torch.softmax(apply_top_k_top_p(logits[rows], [top_k[i] for i in rows.tolist()],
-                                              [top_p[i] for i in rows.tolist()]), dim=-1)
-        if bool((min_p[rows] > 0).any()):
-            sub = apply_min_p(sub, sub.max(dim=-1, keepdim=True).values, min_p[rows])
-        sampled[rows] = inverse_cdf(sub, u[rows])
+        masked = apply_top_k_top_p(logits[rows], [top_k[i] for i in rows.tolist()], [top_p[i] for i in rows.tolist()])
+        sampled[rows] = sample_softmax(masked, min_p[rows], u[rows])
     return sampled
 
 
@@ -152,7 +158,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     the definition `sample_truncated` follows, and its fallback for rows it cannot narrow."""
     vocab = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k])
+    k = _top_k_limits(top_k, vocab)
     ranks = torch.arange(vocab).unsqueeze(0)
     drop = ranks >= k.unsqueeze(1)
     p = torch.tensor(top_p, dtype=torch.float32).unsqueeze(1)

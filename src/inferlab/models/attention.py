@@ -18,9 +18,9 @@ The flat batch is ordered decodes first, then prefill chunks (the model runner s
 
 Decodes go to our paged-attention kernel (`torch.ops.inferlab.paged_attention_decode`, see
 kernels/csrc/attention.cpp) when it is built: it reads K/V straight from the blocks through the
-block tables. Otherwise (INFERLAB_KERNELS=0, no compiler, another cache dtype) they are one
-batched SDPA call over contexts gathered out of the cache and padded, with a mask; the results
-agree to float32 rounding.
+block tables. Otherwise (INFERLAB_KERNELS=0, no compiler, another cache dtype, not on the
+CPU) they are one batched SDPA call over contexts gathered out of the cache and padded, with a
+mask; the results agree to float32 rounding.
 
 Prefill chunks are attended chunk by chunk, never padded to each other:
 

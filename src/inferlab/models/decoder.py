@@ -48,7 +48,8 @@ class LayerWeights:
 class DecoderModel:
     """Weights plus a forward pass; no nn.Module machinery (nothing here is trained).
 
-    `dtype` is the compute dtype (activations, norms, KV cache). `weight_dtype` is how the
+    `dtype` is the compute dtype (activations, norms; the K/V cache's is the runner's, see
+    loader.resolve_kv_dtype). `weight_dtype` is how the
     linear layers' weights (and the embedding table) are stored: None or `dtype` keeps them as
     they are (F.linear); float16 / bfloat16 / torch.int8 stores them in fewer bytes, multiplied
     by kernels/linear.py's WeightOnlyLinear (see loader.resolve_weight_dtype for "auto").
@@ -111,12 +112,11 @@ class DecoderModel:
         self.cos, self.sin = (t.to(device) for t in rope_cache(
             c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings, dtype
         ))
-        # The fused layer (kernels/csrc/fused.cpp) is float32-on-CPU only, and rotates q and k
-        # straight after the qkv product, which a per-head q/k norm (Qwen3) would have to precede.
-        self.fused_ok = (dtype == torch.float32 and device.type == "cpu" and not c.qk_norm
-                         and kernels_build.available())
-        # The whole-step decode kernel (kernels/csrc/decoder_step.cpp) applies the q/k norm itself.
+        # Our kernels take float32 activations on the CPU. The fused layer (kernels/csrc/fused.cpp)
+        # rotates q and k straight after the qkv product, which a per-head q/k norm (Qwen3) would
+        # have to precede; the whole-step decode kernel (decoder_step.cpp) applies that norm itself.
         self.step_ok = dtype == torch.float32 and device.type == "cpu" and kernels_build.available()
+        self.fused_ok = self.step_ok and not c.qk_norm
         self._step: object | None = None  # torch.classes.inferlab.DecoderStep, built on first use
         self._step_caches: list | None = None
         log.info("%s", self.describe_precision())

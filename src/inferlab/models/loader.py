@@ -82,11 +82,7 @@ def resolve_weight_dtype(load_config: LoadConfig) -> torch.dtype:
     compute = resolve_dtype(load_config.dtype, load_config.device)
     if load_config.weight_dtype == "auto":
         return torch.float16 if _auto_16bit(load_config) else compute
-    if load_config.weight_dtype not in _WEIGHT_DTYPES:
-        raise ValueError(
-            f"weight_dtype must be auto, {', '.join(_WEIGHT_DTYPES)}, not {load_config.weight_dtype!r}"
-        )
-    stored = _WEIGHT_DTYPES[load_config.weight_dtype]
+    stored = _WEIGHT_DTYPES[load_config.weight_dtype]  # a name LoadConfig has checked
     if stored.itemsize > compute.itemsize:
         raise ValueError(
             f"weight_dtype {load_config.weight_dtype} is wider than the compute dtype "

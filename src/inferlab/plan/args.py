@@ -124,9 +124,7 @@ def plan_inputs(args: argparse.Namespace, model: ModelSpec, hardware: HardwareSp
         workload=workload,
         weight_precision=args.weight_dtype,
         kv_precision=args.kv_dtype,
-        # Any name --weight-dtype takes (float32 = fp32): the hardware's rates are keyed by canonical names.
-        compute_precision=(parse_precision(args.compute_dtype).name if args.compute_dtype
-                           else auto_compute_precision(hardware)),
+        compute_precision=args.compute_dtype or auto_compute_precision(hardware),
         usd_per_hour=args.usd_per_hour,
         reserve_fraction=args.reserve,
         reserve_bytes=parse_size(args.reserve_bytes),

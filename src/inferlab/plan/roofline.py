@@ -150,7 +150,8 @@ class Roofline:
         self.weight_precision: Precision = parse_precision(
             weight_precision if weight_precision is not None else model.native_precision
         )
-        self.compute_rate, self.compute_precision = hardware.compute_rate(compute_precision)
+        # Any name the other precisions take (float32 = fp32): the hardware's rates are keyed by canonical names.
+        self.compute_rate, self.compute_precision = hardware.compute_rate(parse_precision(compute_precision).name)
         self.memory_efficiency = memory_efficiency
         self.compute_efficiency = compute_efficiency
         self.step_overhead_s = step_overhead_s
