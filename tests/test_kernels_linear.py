@@ -193,6 +193,21 @@ def test_auto_weight_dtype(monkeypatch):
     assert resolve_weight_dtype(LoadConfig()) == torch.bfloat16
 
 
+def test_kv_cache_dtype_auto_follows_the_weights(monkeypatch):
+    from inferlab.config import CacheConfig, LoadConfig
+    from inferlab.models import loader
+
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)  # an AVX2 CPU: float32 compute
+    monkeypatch.setattr(loader.kernels_build, "available", lambda: True)
+    assert loader.resolve_kv_dtype(LoadConfig(), CacheConfig()) == torch.float16
+    assert loader.resolve_kv_dtype(LoadConfig(dtype="float32"), CacheConfig()) == torch.float32
+    assert loader.resolve_kv_dtype(LoadConfig(dtype="float32"), CacheConfig(cache_dtype="float16")) == torch.float16
+    monkeypatch.setattr(loader.kernels_build, "available", lambda: False)
+    assert loader.resolve_kv_dtype(LoadConfig(), CacheConfig()) == torch.float32
+    with pytest.raises(ValueError, match="cache_dtype"):
+        CacheConfig(cache_dtype="int4")
+
+
 def test_explicit_weight_dtype(monkeypatch):
     monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)
     assert resolve_weight_dtype(LoadConfig(weight_dtype="int8")) == torch.int8

@@ -61,8 +61,7 @@ def test_truncated_sampling_follows_the_definition(top_k, top_p, min_p, scale, m
     fallback = []
     real = sampler_mod.apply_top_k_top_p
     monkeypatch.setattr(sampler_mod, "apply_top_k_top_p", lambda *a: fallback.append(1) or real(*a))
-    want = reference(logits, top_k, top_p, min_p)
-    fallback.clear()
+    want = reference(logits, top_k, top_p, min_p)  # the real apply_top_k_top_p, not the spy
     got = counts(sample_truncated(logits.expand(N, -1), [top_k] * N, [top_p] * N,
                                   torch.full((N, 1), min_p), GRID), vocab)
     assert ((got > 0) <= (want > 0)).all()  # nothing outside the kept set
