@@ -1,7 +1,7 @@
 """Where inferlab keeps what it downloads or builds: $INFERLAB_CACHE, else ~/.cache/inferlab.
 
-One root for all of it (the default model under models/, the compiled CPU kernels under
-kernels/), so that one variable moves everything, e.g. to a bigger disk or a throwaway folder.
+One root for all of it (the default model under models/, tokenizers converted from GGUF files
+under tokenizers/, the compiled CPU kernels under kernels/), so that one variable moves everything, e.g. to a bigger disk or a throwaway folder.
 """
 
 from __future__ import annotations

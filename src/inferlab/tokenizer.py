@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from inferlab import cache_paths
+
 logger = logging.getLogger(__name__)
 
-DEFAULT_CACHE_DIR = Path("~/.cache/inferlab/tokenizers")
 
 # Bump when the converted form changes, so old cache entries are not reused.
 _CACHE_FORMAT = 1
@@ -164,7 +165,8 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None) -> Tokenizer:
         """The tokenizer a GGUF file describes (vocabulary, merges, token types, special ids,
-        add_bos flag, chat template), converted once and cached under `cache_dir`.
+        add_bos flag, chat template), converted once and cached under `cache_dir` (default:
+        tokenizers/ under the cache root, see cache_paths.py).
 
         The cache entry is keyed by the file's resolved path, size and mtime and by the
         transformers version, so a replaced file or a new converter gives a new entry.
@@ -172,7 +174,7 @@ class Tokenizer:
         gguf_path = Path(path).expanduser().resolve()
         if not gguf_path.is_file():
             raise FileNotFoundError(f"no such GGUF file: {gguf_path}")
-        cache_root = Path(cache_dir if cache_dir is not None else DEFAULT_CACHE_DIR).expanduser()
+        cache_root = Path(cache_dir).expanduser() if cache_dir is not None else cache_paths.cache_root() / "tokenizers"
         entry = cache_root / _gguf_cache_key(gguf_path)
         from transformers import PreTrainedTokenizerFast
 

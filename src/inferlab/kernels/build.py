@@ -5,8 +5,8 @@ a build step that needs torch (a build-isolated install would fetch a second tor
 kernels are compiled for the CPU that runs them. The sources are `csrc/*.cpp`; each file
 registers its operators with `TORCH_LIBRARY_FRAGMENT(inferlab, m)`, so after `load()` they are
 `torch.ops.inferlab.<name>` and go through torch's dispatcher like any operator (and run on
-torch's own OpenMP pool through `at::parallel_for`: a second OpenMP runtime would fight it for
-the cores).
+torch's own OpenMP runtime, through `at::parallel_for` or, in decoder_step.cpp, `omp parallel`:
+torch's libgomp is the one already loaded; a second OpenMP runtime would fight it for the cores).
 
 The build (~35 s on 2 cores, once) lands in ~/.cache/inferlab/kernels/<hash of sources, flags,
 torch version> ($INFERLAB_CACHE/kernels/... when set, see cache_paths.py), so a changed source or torch rebuilds and a clean machine builds once.
@@ -77,7 +77,7 @@ def load() -> bool:
                 if bindir not in os.environ.get("PATH", "").split(os.pathsep):
                     os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
 
-                log.info("loading inferlab CPU kernels (first use compiles them, ~1 min) from %s", build_dir)
+                log.info("loading inferlab CPU kernels (first use compiles them, ~35 s on 2 cores) from %s", build_dir)
                 cpp_load(name="inferlab_kernels", sources=[str(s) for s in sources], extra_cflags=CFLAGS,
                          extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False,
                          verbose=False)

@@ -24,8 +24,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
-
 #include "attention.h"
 
 #include <cstdint>

@@ -3,7 +3,8 @@
 // Why: at one decode token a layer is ~9 operators (fused.cpp, linear.cpp, attention.cpp), each
 // a dispatch from Python (~10-20 us) and a fork/join of the thread pool, and the small matrices
 // (o-proj is 576 x 576) cannot amortise either: at batch 1 that overhead was ~5 ms of a ~19 ms
-// step. Here the threads start once per step and meet at 5 barriers per layer; inside a phase
+// step. Here the threads start once per step and meet at 5 barriers per layer (7 from 4 rows on,
+// where the two norms are split by rows too); inside a phase
 // they take chunks of work from a shared counter (OpenMP's dynamic schedule), so a thread that
 // loses its core to another process for a while simply does less of the phase.
 //
@@ -47,7 +48,7 @@
 
 namespace {
 
-using namespace inferlab_matvec;  // block_dots, kRowsW
+using namespace inferlab_matvec;  // row_products, kRowsW
 using namespace inferlab_rows;    // rms_norm_row, rope_row, silu_mul_row, store_row
 
 // Tasks per thread in a phase of column chunks: few, so that each task streams one long run of
@@ -64,13 +65,6 @@ struct Linear {
   const float* scale = nullptr;
   const float* bias = nullptr;
   int64_t n = 0, k = 0;
-
-  // y (after the product) for output row r.
-  float finish(float dot, int64_t r) const {
-    if (scale) dot *= scale[r];
-    if (bias) dot += bias[r];
-    return dot;
-  }
 };
 
 struct Layer {
@@ -138,6 +132,8 @@ class DecoderStep : public torch::CustomClassHolder {
     TORCH_CHECK_VALUE(cos_.dim() == 2 && cos_.size(1) == head_dim_ && sin_.sizes() == cos_.sizes(),
                       "DecoderStep: cos/sin must be [positions, head_dim]");
     const int64_t qkv_rows = (heads_ + 2 * kv_heads_) * head_dim_;
+    weight_dtype_ = layer_tensors[1].scalar_type();  // every layer's every linear must match these
+    cache_dtype_ = k_caches_[0].scalar_type();
     for (int64_t l = 0; l < num_layers; ++l) {
       const at::Tensor* t = layer_tensors.data() + l * kTensorsPerLayer;
       Layer ly;
@@ -161,15 +157,13 @@ class DecoderStep : public torch::CustomClassHolder {
         TORCH_CHECK_VALUE(qk->numel() == head_dim_, "DecoderStep: q/k norm weights must have head_dim elements");
       }
       TORCH_CHECK_VALUE(ly.q_norm.defined() == ly.k_norm.defined(), "DecoderStep: q_norm and k_norm come together");
-      TORCH_CHECK_VALUE(ly.qkv.w.scalar_type() == layer_tensors[1].scalar_type() &&
-                            ly.o.w.scalar_type() == ly.qkv.w.scalar_type() &&
-                            ly.gate_up.w.scalar_type() == ly.qkv.w.scalar_type() &&
-                            ly.down.w.scalar_type() == ly.qkv.w.scalar_type(),
+      TORCH_CHECK_VALUE(ly.qkv.w.scalar_type() == weight_dtype_ && ly.o.w.scalar_type() == weight_dtype_ &&
+                            ly.gate_up.w.scalar_type() == weight_dtype_ && ly.down.w.scalar_type() == weight_dtype_,
                         "DecoderStep: every linear weight must have the same dtype");
       const at::Tensor& kc = k_caches_[l];
       const at::Tensor& vc = v_caches_[l];
       TORCH_CHECK_VALUE((kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kHalf) &&
-                            vc.scalar_type() == kc.scalar_type() && kc.scalar_type() == k_caches_[0].scalar_type() &&
+                            vc.scalar_type() == kc.scalar_type() && kc.scalar_type() == cache_dtype_ &&
                             kc.is_contiguous() && vc.is_contiguous() && kc.device().is_cpu() && vc.device().is_cpu(),
                         "DecoderStep: caches must be contiguous float32 or float16 CPU tensors, all of one dtype");
       TORCH_CHECK_VALUE(kc.dim() == 3 && kc.size(0) == kv_heads_ && kc.size(2) == head_dim_ &&
@@ -177,8 +171,6 @@ class DecoderStep : public torch::CustomClassHolder {
                         "DecoderStep: caches must be [kvH, slots, D] with slots a multiple of block_size");
       layers_.push_back(std::move(ly));
     }
-    weight_dtype_ = layers_[0].qkv.w.scalar_type();
-    cache_dtype_ = k_caches_[0].scalar_type();
   }
 
   at::Tensor forward(at::Tensor x, at::Tensor positions, at::Tensor slots, at::Tensor block_tables,
@@ -271,17 +263,12 @@ class DecoderStep : public torch::CustomClassHolder {
     return shared;
   }
 
-  // Rows r0 .. r0 + rows of lin's product for every row of `in` (M x lin.k): y[i * rows + r].
+  // Rows r0 .. r0 + rows of lin's product for every row of `in` (M x lin.k): y[i * ldy + r].
   template <typename T>
   void products(const float* in, int64_t m, const Linear& lin, int64_t r0, int64_t rows, float* y, int64_t ldy,
                 Work& wk) const {
-    const T* w = lin.w.data_ptr<T>();
-    for (int64_t b = 0; b < rows; b += kRowsW) {
-      const int nb = static_cast<int>(std::min<int64_t>(kRowsW, rows - b));
-      block_dots(in, m, lin.k, w + (r0 + b) * lin.k, nb, wk.buf.data(), wk.dots.data());
-      for (int64_t i = 0; i < m; ++i)
-        for (int j = 0; j < nb; ++j) y[i * ldy + b + j] = lin.finish(wk.dots[i * kRowsW + j], r0 + b + j);
-    }
+    row_products(in, m, lin.k, lin.w.data_ptr<T>(), r0, rows, lin.scale, lin.bias, wk.buf.data(), wk.dots.data(), y,
+                 ldy);
   }
 
   // x[:, columns c * width ..] += in @ W^T for those columns (o and down: the residual add).

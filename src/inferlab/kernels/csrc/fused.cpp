@@ -15,12 +15,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
-
 #include "rows.h"
 
-#include <cmath>
-#include <cstring>
 #include <tuple>
 
 namespace {

@@ -7,12 +7,10 @@
 // conversion in registers that costs less than the bytes it saves.
 //
 // Two paths, picked by the number of rows M:
-//  - M < mkl_min_rows (decode, short prefill chunks): our kernel. Blocks of 4 weight rows are split
-//    over threads (at::parallel_for); each block is read from memory once per call, prefetched as
-//    one linear stream, and re-used for every row of x: converted in registers when M <= 3, else
-//    converted once into a small float32 buffer in L1 that an fp32 micro-kernel (3 rows of x by
-//    4 rows of W, 12 accumulators) re-reads. At these skinny shapes it keeps up with or beats
-//    torch's float32 GEMM in arithmetic too (measured up to M ~ 128 on one core here).
+//  - M < mkl_min_rows (decode, short prefill chunks): our kernel (matvec.h: each block of 4 weight
+//    rows read once per call and re-used for every row of x), blocks split over threads
+//    (at::parallel_for). At these skinny shapes it keeps up with or beats torch's float32 GEMM
+//    in arithmetic too (measured up to M ~ 128 on one core here).
 //  - M >= mkl_min_rows (prefill): compute-bound, where torch's GEMM is faster than our
 //    micro-kernel; float32 tiles of W (16 MB at most, L3-resident) go to at::mm. Converting is one
 //    pass over the weights: measured at M = 256..512, within 1-5% of float32 F.linear.
@@ -28,20 +26,17 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
-
 #include "matvec.h"
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <optional>
-#include <type_traits>
 #include <vector>
 
 namespace {
 
-using namespace inferlab_matvec;  // block_dots, convert_rows, kRowsW, kRowsX
+using namespace inferlab_matvec;  // row_products, convert_rows, kRowsW
 
 // The decode path: y = x @ w^T (* scale) (+ bias) with our micro-kernel.
 template <typename T>
@@ -49,20 +44,8 @@ void small_m(const float* x, int64_t M, int64_t K, const T* w, int64_t N, const 
              float* y) {
   const int64_t blocks = (N + kRowsW - 1) / kRowsW;
   auto run = [&](int64_t b0, int64_t b1, std::vector<float>& buf, std::vector<float>& out) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * kRowsW;
-      const int nb = static_cast<int>(std::min<int64_t>(kRowsW, N - n0));
-      block_dots(x, M, K, w + n0 * K, nb, buf.data(), out.data());
-      for (int64_t i = 0; i < M; ++i) {
-        float* yr = y + i * N + n0;
-        for (int j = 0; j < nb; ++j) {
-          float v = out[i * kRowsW + j];
-          if (scale) v *= scale[n0 + j];
-          if (bias) v += bias[n0 + j];
-          yr[j] = v;
-        }
-      }
-    }
+    const int64_t n0 = b0 * kRowsW, n1 = std::min(N, b1 * kRowsW);
+    row_products(x, M, K, w, n0, n1 - n0, scale, bias, buf.data(), out.data(), y + n0, N);
   };
   // Threads take chunks of blocks from a shared counter rather than a fixed share each, so a
   // thread that starts late (another process holds its core: this machine is shared) finds less

@@ -14,6 +14,7 @@
 
 #include "simd.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -39,8 +40,9 @@ inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 }
 
 // out[i][j] = dot(x row i, w row j) over K, for MB rows of x and NB (4 or 1) rows of w.
-// Weights read from memory (not float32: those come from our L1 buffer) are prefetched
-// kPrefetchBytes ahead, as one linear stream over the block (w .. w + NB * K).
+// 16-bit and int8 weights (read from memory) are prefetched kPrefetchBytes ahead, as one linear
+// stream over the block (w .. w + NB * K); float32 ones are not (from block_dots they come from
+// its L1 buffer when M > 3, and straight from memory, unprefetched, when M <= 3).
 template <int MB, int NB, typename T>
 inline void dot_tile(const float* x, int64_t ldx, const T* w, int64_t ldw, int64_t K, float out[][kRowsW]) {
   constexpr bool kStream = !std::is_same_v<T, float>;
@@ -127,6 +129,25 @@ inline void block_dots(const float* x, int64_t M, int64_t K, const T* w, int nb,
   };
   if (convert) rows(static_cast<const float*>(buf));
   else rows(w);
+}
+
+// y[i * ldy + r] = (x row i) . (w row r0 + r) * scale[r0 + r] + bias[r0 + r] for r in [0, rows),
+// block by block; scale and bias may be null. buf: kRowsW * K floats, dots: kRowsW * M floats.
+template <typename T>
+inline void row_products(const float* x, int64_t M, int64_t K, const T* w, int64_t r0, int64_t rows,
+                         const float* scale, const float* bias, float* buf, float* dots, float* y, int64_t ldy) {
+  for (int64_t b = 0; b < rows; b += kRowsW) {
+    const int nb = static_cast<int>(std::min<int64_t>(kRowsW, rows - b));
+    block_dots(x, M, K, w + (r0 + b) * K, nb, buf, dots);
+    for (int64_t i = 0; i < M; ++i)
+      for (int j = 0; j < nb; ++j) {
+        const int64_t r = r0 + b + j;
+        float v = dots[i * kRowsW + j];
+        if (scale) v *= scale[r];
+        if (bias) v += bias[r];
+        y[i * ldy + b + j] = v;
+      }
+  }
 }
 
 }  // namespace inferlab_matvec
