@@ -290,13 +290,11 @@ def _flag(args: Sequence[str], *names: str) -> str | None:
 
 
 def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: where inferlab's dtype=auto computes in bf16 (models.loader), read from
-    /proc/cpuinfo so that this script need not import torch."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    """Where inferlab's dtype=auto computes in bf16: asked of the same function the server uses
+    (models.loader, through torch), so the decode ceilings assume what the server picks."""
+    from inferlab.models.loader import cpu_has_native_bf16 as server_decision
+
+    return server_decision()
 
 
 @dataclass(frozen=True)
