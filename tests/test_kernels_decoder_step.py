@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from same_outputs import assert_same_greedy
 
 from inferlab import LLM, SamplingParams
 from inferlab.kernels import build
@@ -52,11 +53,7 @@ def _generate(path, monkeypatch, use_step: bool, weight_dtype: str, n_prompts: i
 def test_decode_step_gives_the_per_operator_tokens_and_logprobs(models, monkeypatch, arch, weight_dtype, n_prompts):
     step = _generate(models[arch], monkeypatch, True, weight_dtype, n_prompts)
     ops = _generate(models[arch], monkeypatch, False, weight_dtype, n_prompts)
-    for a, b in zip(step, ops):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for (ca, ta), (cb, tb) in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert ca.logprob == pytest.approx(cb.logprob, rel=1e-4, abs=1e-4)
-            assert [x.token_id for x in ta] == [x.token_id for x in tb]
+    assert_same_greedy(step, ops, top_ids=True)
 
 
 def _direct_step(models):
@@ -106,10 +103,7 @@ def test_decode_step_with_a_float16_cache(models, monkeypatch, arch):
     and reads the cache as the per-operator path does."""
     step = _generate(models[arch], monkeypatch, True, "float16", 5, kv_cache_dtype="float16")
     ops = _generate(models[arch], monkeypatch, False, "float16", 5, kv_cache_dtype="float16")
-    for a, b in zip(step, ops):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for (ca, _), (cb, _) in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert ca.logprob == pytest.approx(cb.logprob, rel=1e-4, abs=1e-4)
+    assert_same_greedy(step, ops)
 
 
 def test_float16_cache_through_plain_torch_matches_the_kernels(models, monkeypatch):
@@ -121,10 +115,7 @@ def test_float16_cache_through_plain_torch_matches_the_kernels(models, monkeypat
     monkeypatch.setattr(decoder, "USE_FUSED_OPS", False)
     monkeypatch.setattr(attention, "USE_DECODE_KERNEL", False)
     plain = _generate(models["llama"], monkeypatch, False, "float32", 4, kv_cache_dtype="float16")
-    for a, b in zip(kernels, plain):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for (ca, _), (cb, _) in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert ca.logprob == pytest.approx(cb.logprob, rel=1e-3, abs=1e-3)
+    assert_same_greedy(kernels, plain, tol=1e-3)
 
 
 def test_a_model_the_step_cannot_take_falls_back_to_the_operators(tmp_path, monkeypatch, caplog):
