@@ -113,9 +113,9 @@ def run_8b(work: Path, bandwidth: float) -> dict:
     load_s = time.perf_counter() - t
     runner = llm.engine.runner
     m = runner.model
-    # What a decode step reads: every weight but the untied input embedding (a few rows a step).
-    weight_bytes = m.weight_nbytes - (m.embed.nbytes if m.lm_head is not m.embed else 0)
-    kv_per_token = kv_bytes_per_token(32, 8, 128, 2)
+    weight_bytes = m.decode_weight_nbytes  # what a decode step reads of the weights
+    mc = llm.engine.model_config
+    kv_per_token = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, runner.kv_caches[0][0].element_size())
     ctx = mean_decode_context(128, 128)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1000, 120000, (128,), generator=g).tolist() for _ in range(64)]

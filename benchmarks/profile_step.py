@@ -90,20 +90,20 @@ def profile_steps(llm: LLM, prompts: list[list[int]], max_tokens: int, steps: in
             total = time.perf_counter() - t
     finally:
         eng.scheduler.schedule, eng.output_processor.process, eng.runner.sampler = sched, proc, sampler
+        phases = step_kernel.phase_seconds() if step_kernel is not None else []  # the measured steps only
+        if step_kernel is not None:
+            step_kernel.set_profiling(False)
         eng.abort_request(list(eng.output_processor.requests))
         while eng.has_unfinished_requests():
             eng.step()
     ops: dict[str, float] = defaultdict(float)
     for ev in prof.key_averages():
-        if ev.key == STEP_EVENT and step_kernel is not None:
-            phases = step_kernel.phase_seconds()
+        if ev.key == STEP_EVENT and phases:
             for bucket, sec in zip(STEP_PHASES, phases):
                 ops[bucket] += sec
             ops["elementwise/other ops"] += max(ev.self_cpu_time_total / 1e6 - sum(phases), 0.0)  # checks, set-up
         else:
             ops[bucket_of(ev.key)] += ev.self_cpu_time_total / 1e6
-    if step_kernel is not None:
-        step_kernel.set_profiling(False)
     # The sampler's ops are inside the op buckets; its wall time is shown apart, not added.
     out = {k: v / steps for k, v in ops.items()}
     out.update({k: v / steps for k, v in wall.items()})
@@ -111,12 +111,6 @@ def profile_steps(llm: LLM, prompts: list[list[int]], max_tokens: int, steps: in
     out["python/other"] = max(total - accounted, 0.0) / steps
     out["step total"] = total / steps
     return out
-
-
-def weight_bytes(model) -> int:
-    """Bytes a decode step reads of the weights as stored: everything the model holds, less an
-    untied embedding table (a step gathers only a few of its rows)."""
-    return model.weight_nbytes - (model.embed.nbytes if model.lm_head is not model.embed else 0)
 
 
 def mean_context(prompt_len: int, decodes_before: int, steps: int) -> float:
@@ -132,7 +126,7 @@ def roofs(llm: LLM, bandwidth: float, flops: float, steps: int) -> tuple[dict[st
     mc = llm.engine.model_config
     kv_per_token = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim,
                                       llm.engine.runner.kv_caches[0][0].element_size())
-    wb = weight_bytes(llm.engine.runner.model)
+    wb = llm.engine.runner.model.decode_weight_nbytes
     layer_params = (mc.hidden_size * (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
                     + mc.num_heads * mc.head_dim * mc.hidden_size + 3 * mc.hidden_size * mc.intermediate_size)
     head_flops = 2 * mc.vocab_size * mc.hidden_size  # once per sampled token

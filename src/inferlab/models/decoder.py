@@ -144,6 +144,12 @@ class DecoderModel:
             norms += [t for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm) if t is not None]
         return sum(lin.nbytes for lin in linears) + sum(t.nbytes for t in norms)
 
+    @property
+    def decode_weight_nbytes(self) -> int:
+        """Weight bytes a decode step reads: all of them but an untied input embedding (a step
+        gathers only a few of its rows)."""
+        return self.weight_nbytes - (self.embed.nbytes if self.lm_head is not self.embed else 0)
+
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), w, self.config.rms_norm_eps)
 
