@@ -18,6 +18,7 @@ def allocate_prompt(kv: KVCacheManager, request) -> None:
     """Allocate and 'compute' the whole prompt, as a step would."""
     assert kv.allocate_slots(request, request.num_tokens) is not None
     request.num_computed_tokens = request.num_tokens
+    kv.mark_written()
 
 
 def test_hash_block_is_chained_and_deterministic():

@@ -269,6 +269,52 @@ def test_prefix_caching_disabled_gives_no_hits():
     assert r1.num_cached_tokens == 0
 
 
+def test_a_request_freed_before_its_step_ran_leaves_no_cached_blocks():
+    # Issue 13, finding 2: blocks enter the cache when scheduled; a request aborted before the
+    # step that writes them ran must not leave its hashes behind (16 "cached" tokens of K/V
+    # that were never computed).
+    sched = make_scheduler(block_size=16)
+    r0 = make_request("0", num_prompt_tokens=20)
+    sched.add_request(r0)
+    sched.schedule()  # blocks cached here, the step never runs
+    sched.finish_requests("0", RequestStatus.FINISHED_ABORTED)
+    again = make_request("again", r0.prompt_token_ids)
+    sched.add_request(again)
+    out = sched.schedule()
+    assert scheduled_tokens(out) == {"again": 20}
+    assert again.num_cached_tokens == 0
+    kv = sched.kv_cache_manager
+    assert [blk.block_id for blk in kv.block_pool.cached_blocks.values()] == kv.get_block_ids("again")[:1]
+    kv.block_pool.check_integrity()
+
+
+def test_a_failed_step_uncaches_its_blocks_and_requeues_its_requests_in_order():
+    sched = make_scheduler(block_size=4)
+    r0 = make_request("0", num_prompt_tokens=10, first_token=1000)
+    sched.add_request(r0)
+    step(sched)  # r0's first two blocks are written and cached
+    r1 = make_request("1", num_prompt_tokens=9, first_token=2000)
+    r2 = make_request("2", r1.prompt_token_ids[:8] + [7, 7])  # hits r1's blocks in the same step
+    sched.add_request(r1)
+    sched.add_request(r2)
+    out = sched.schedule()
+    assert r2.num_cached_tokens == 8
+    pool = sched.kv_cache_manager.block_pool
+    assert len(pool.cached_blocks) == 4
+    sched.discard_step(out)  # the runner raised
+    assert len(pool.cached_blocks) == 2  # r0's, written by the step that ran, stay
+    assert sched.running == [] and [r.request_id for r in sched.waiting] == ["0", "1", "2"]
+    assert all(r.num_computed_tokens == 0 for r in (r0, r1, r2))
+    assert sched.num_preemptions == 0  # a failure is not a preemption
+    assert pool.num_free_blocks == pool.num_blocks
+    pool.check_integrity()
+    # Stepping on recomputes them; the new request misses the unwritten blocks.
+    out, _ = step(sched)
+    assert scheduled_tokens(out) == {"0": 3, "1": 9, "2": 2}  # r0 hits its own written prefix
+    assert len(pool.cached_blocks) == 4
+    pool.check_integrity()
+
+
 # ---------------------------------------------------------------- finishing
 
 

@@ -136,6 +136,29 @@ def test_queue_limit_rejects_then_recovers():
         llm.shutdown(5)
 
 
+def test_a_burst_before_the_first_step_is_admitted_up_to_seats_plus_queue():
+    # Issue 13, finding 3: 60 at once with 8 seats and a queue of 8 must admit 16, not 8 (the
+    # last step's running count is 0 before the first step, so every request looked waiting).
+    llm, _ = make_llm(step_delay=0.01, max_num_seqs=8, max_queue_len=8)
+    try:
+
+        async def one(i):
+            try:
+                stream = await llm.add_request(f"b{i}", "hi", SamplingParams(max_tokens=3))
+            except QueueFullError:
+                return "refused"
+            outs = [o async for o in stream]
+            return "served" if outs[-1].finished else "lost"
+
+        async def go():
+            return await asyncio.gather(*(one(i) for i in range(60)))
+
+        results = run(go())
+        assert results.count("served") == 16 and results.count("refused") == 44
+    finally:
+        llm.shutdown(5)
+
+
 def test_engine_step_failure_fails_in_flight_and_keeps_serving():
     llm, holder = make_llm(step_delay=0.005)
     try:

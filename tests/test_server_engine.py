@@ -121,6 +121,42 @@ def test_disconnect_frees_blocks_on_the_real_engine(srv):
     assert metric(s, "vllm:request_success_total", finished_reason="abort") == before + 1
 
 
+def test_a_retry_after_a_failed_step_is_not_served_unwritten_cache(tiny_path):
+    """Issue 13, finding 2: the step fails (500); the same prompt sent again must compute its
+    K/V afresh (no cached tokens) and answer what a fresh engine answers."""
+    from inferlab import LLM, SamplingParams
+
+    armed = {"fail": 1}
+
+    def factory():
+        engine = LLMEngine(tiny_config(tiny_path))
+        execute = engine.runner.execute
+
+        def flaky(scheduler_output):
+            if armed["fail"] > 0:
+                armed["fail"] -= 1
+                raise RuntimeError("injected runner failure")
+            return execute(scheduler_output)
+
+        engine.runner.execute = flaky
+        return engine
+
+    prompt = "The scheduler batches requests under one token budget. " * 3
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with ServerThread(build_app(factory)) as srv:
+        srv.wait_ready()
+        r = httpx.post(srv.url("/v1/completions"), json=body)
+        assert r.status_code == 500 and r.json()["error"]["message"]
+        r = httpx.post(srv.url("/v1/completions"), json=body)
+        assert r.status_code == 200, r.text
+        data = r.json()
+        assert data["usage"]["prompt_tokens"] > 32  # at least two full blocks could have hit
+        assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    offline = LLM(str(tiny_path), dtype="float32", num_kv_blocks=64, max_model_len=512)
+    want = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert data["choices"][0]["text"] == want.outputs[0].text
+
+
 @pytest.mark.slow
 def test_the_course_request_on_the_default_model():
     """The course's request.json, sent to `inferlab serve`'s default model."""

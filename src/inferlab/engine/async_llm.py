@@ -76,6 +76,7 @@ class EngineLike(Protocol):
 
     model_name: str
     max_model_len: int
+    max_num_seqs: int
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams, **kwargs: Any) -> None: ...
     def step(self) -> list[RequestOutput]: ...
@@ -211,9 +212,11 @@ def _deliver(items: list[tuple[asyncio.Queue, Any]], taken: threading.Event | No
 class AsyncLLM:
     """An engine behind a thread, for asyncio callers.
 
-    Admission: `max_queue_len` bounds the requests admitted but not yet running (an estimate:
-    in flight minus running at the last step), beyond which `add_request` raises
-    `QueueFullError`; `request_timeout` (seconds from arrival) aborts a request that runs
+    Admission: `max_queue_len` bounds the requests that wait beyond the engine's
+    `max_num_seqs` running seats: at most `max_num_seqs + max_queue_len` are in flight, beyond
+    which `add_request` raises `QueueFullError`. Counted exactly at admission, under the lock
+    (not from the last step's running count, which a burst arriving before the first step
+    would see as 0); `request_timeout` (seconds from arrival) aborts a request that runs
     longer and ends its stream with `RequestTimeoutError`.
 
     Health: `ready` once the engine is built (the factory runs on the engine thread, so a
@@ -249,7 +252,7 @@ class AsyncLLM:
         self._deadlines: list[tuple[float, int, str]] = []  # engine thread only (heap)
         self._seq = itertools.count()
         self._num_in_flight = 0  # under _cond: admitted and not yet finished
-        self._num_running = 0  # at the last stats refresh
+        self._num_seats = 0  # the engine's max_num_seqs, once it is built
         self._accepting = True
         self._stop = False
         self._busy_since: float | None = None
@@ -354,7 +357,7 @@ class AsyncLLM:
             if not self._accepting:
                 raise EngineDeadError("the server is shutting down")
             if self.max_queue_len is not None:
-                waiting = self._num_in_flight - self._num_running
+                waiting = self._num_in_flight - self._num_seats
                 if waiting >= self.max_queue_len:
                     raise QueueFullError(waiting, self.max_queue_len)
             self._num_in_flight += 1
@@ -390,6 +393,7 @@ class AsyncLLM:
     def _run(self) -> None:
         try:
             self.engine = self._factory()
+            self._num_seats = self.engine.max_num_seqs
             if self.observer is not None:
                 self.observer.on_ready(self.engine)
             self._refresh_stats()
@@ -548,7 +552,6 @@ class AsyncLLM:
             logger.exception("engine.get_stats failed")
             return
         self._stats = stats
-        self._num_running = stats.num_running
         if self.observer is not None:
             self._observe(self.observer.on_stats, stats)
 

@@ -171,19 +171,29 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_block_queue.append(block)
 
-    def cache_full_block(self, block: KVBlock, block_hash: int) -> None:
-        """Enter a full block into the prefix cache under `block_hash`.
+    def cache_full_block(self, block: KVBlock, block_hash: int) -> bool:
+        """Enter a full block into the prefix cache under `block_hash`; True if it entered now.
 
         If another block already holds that hash (two requests computed the same prefix at the
         same time), this block stays uncached: the map names one block per hash, and the two
         hold the same K/V anyway. A block that is already cached is left as it is.
         """
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self.cached_blocks:
-            return
+            return False
         block.block_hash = block_hash
         self.cached_blocks[block_hash] = block
+        return True
+
+    def uncache(self, block: KVBlock) -> None:
+        """Take a block out of the prefix cache without touching its references: its K/V was
+        never written (the step that was to write it failed), so no later prompt may hit it."""
+        if block.block_hash is None:
+            return
+        if self.cached_blocks.get(block.block_hash) is block:
+            del self.cached_blocks[block.block_hash]
+        block.block_hash = None
 
     def get_cached_block(self, block_hash: int) -> KVBlock | None:
         """The block holding this prefix hash, or None."""

@@ -56,7 +56,11 @@ class KVCacheManager:
       holds it by reference), kept equal to `[b.block_id for b in req_to_blocks[rid]]`;
     - the first `num_cached_blocks[rid]` blocks of a request are full and in the prefix cache
       (or were left uncached because another block holds the same hash);
-    - `request.block_hashes` covers every full block of `request.all_token_ids`.
+    - `request.block_hashes` covers every full block of `request.all_token_ids`;
+    - a block entered into the prefix cache by the step being scheduled is "unwritten" until
+      `mark_written()` (its step ran): if the step fails (`discard_unwritten()`) or its request
+      is freed first, it leaves the cache, so no later prompt is served K/V that was never
+      computed.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
@@ -68,6 +72,8 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self._req_to_block_ids: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}
+        # Blocks cached at schedule time whose step has not run yet: rid -> [(index, block)].
+        self._unwritten: dict[str, list[tuple[int, KVBlock]]] = {}
         self.total_stats = PrefixCacheStats()  # cumulative
         self._interval_stats = PrefixCacheStats()  # since the last make_prefix_cache_stats()
 
@@ -172,8 +178,30 @@ class KVCacheManager:
             return
         self.update_block_hashes(request)
         for i in range(start, num_full):
-            self.block_pool.cache_full_block(req_blocks[i], request.block_hashes[i])
+            if self.block_pool.cache_full_block(req_blocks[i], request.block_hashes[i]):
+                self._unwritten.setdefault(rid, []).append((i, req_blocks[i]))
         self._num_cached_blocks[rid] = num_full
+
+    def mark_written(self) -> None:
+        """The scheduled step ran: the K/V of every block cached for it is in place."""
+        self._unwritten.clear()
+
+    def discard_unwritten(self) -> int:
+        """The scheduled step failed: take the blocks cached for it back out of the prefix cache.
+
+        Their requests keep the blocks (they are freed or recomputed by the caller), but a block
+        counts as cached for its request only up to the first one taken out, so a rerun caches
+        it again once written. Returns how many blocks left the cache.
+        """
+        n = 0
+        for rid, entries in self._unwritten.items():
+            for i, block in entries:
+                self.block_pool.uncache(block)
+                n += 1
+            if rid in self._num_cached_blocks:
+                self._num_cached_blocks[rid] = min(self._num_cached_blocks[rid], entries[0][0])
+        self._unwritten.clear()
+        return n
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table as ids: the same list object every call (appended in place)."""
@@ -185,6 +213,8 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks, last block first (evicted first), and forget it."""
         rid = request.request_id
+        for _, block in self._unwritten.pop(rid, ()):  # freed before its step ran
+            self.block_pool.uncache(block)
         blocks = self.req_to_blocks.pop(rid, None)
         self._req_to_block_ids.pop(rid, None)
         self._num_cached_blocks.pop(rid, None)

@@ -70,6 +70,11 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.scheduler_config.max_model_len
 
+    @property
+    def max_num_seqs(self) -> int:
+        """Requests that can run at once (AsyncLLM's admission counts waiting beyond these)."""
+        return self.scheduler_config.max_num_seqs
+
     def _make_detokenizer(self, prompt_token_ids: list[int], params: SamplingParams):
         if self.tokenizer is None:
             return None
@@ -166,7 +171,11 @@ class LLMEngine:
         so = self.scheduler.schedule()
         if so.is_empty:
             return outputs
-        ro = self.runner.execute(so)
+        try:
+            ro = self.runner.execute(so)
+        except BaseException:
+            self.scheduler.discard_step(so)
+            raise
         if self.step_observer is not None:
             self.step_observer(so, ro)
         core = self.scheduler.update_from_output(so, ro)

@@ -137,12 +137,16 @@ class Scheduler:
         return min(n, self._max_len(request) - num_computed)
 
     def _preempt(self, request: Request) -> None:
-        """Recompute later: free its blocks and put it at the front of the waiting queue."""
+        """Recompute later (blocks ran out): counted as a preemption."""
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._requeue(request)
+
+    def _requeue(self, request: Request) -> None:
+        """Free its blocks and put it at the front of the waiting queue, to recompute."""
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def schedule(self) -> SchedulerOutput:
@@ -244,6 +248,7 @@ class Scheduler:
         (stop_reason None), both only once min_tokens are out; then max_tokens or the context
         window (finish "length"). Requests aborted since the step was scheduled are skipped.
         """
+        self.kv_cache_manager.mark_written()
         now = self.clock()
         outputs: list[EngineCoreOutput] = []
         finished: list[Request] = []
@@ -279,6 +284,21 @@ class Scheduler:
             )
         self._drop_finished(finished)
         return outputs
+
+    def discard_step(self, scheduler_output: SchedulerOutput) -> None:
+        """The runner failed on this step: nothing it says was computed may be trusted.
+
+        The blocks cached for the step leave the prefix cache (else a retried prompt is served
+        K/V that was never written), and each request the step carried goes back to the front
+        of the waiting queue to be recomputed from scratch, in its FCFS order, so the scheduler
+        stays consistent whether the caller aborts them or steps on.
+        """
+        self.kv_cache_manager.discard_unwritten()
+        ids = {s.request_id for s in scheduler_output.scheduled}
+        victims = [r for r in self.running if r.request_id in ids]
+        self.running = [r for r in self.running if r.request_id not in ids]
+        for request in reversed(victims):
+            self._requeue(request)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         """The finished status the new token causes, or None; sets request.stop_reason."""
