@@ -72,8 +72,8 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self._req_to_block_ids: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}
-        # Blocks cached at schedule time whose step has not run yet: rid -> [(index, block)].
-        self._unwritten: dict[str, list[tuple[int, KVBlock]]] = {}
+        # Blocks cached at schedule time whose step has not run yet, by request id.
+        self._unwritten: dict[str, list[KVBlock]] = {}
         self.total_stats = PrefixCacheStats()  # cumulative
         self._interval_stats = PrefixCacheStats()  # since the last make_prefix_cache_stats()
 
@@ -179,7 +179,7 @@ class KVCacheManager:
         self.update_block_hashes(request)
         for i in range(start, num_full):
             if self.block_pool.cache_full_block(req_blocks[i], request.block_hashes[i]):
-                self._unwritten.setdefault(rid, []).append((i, req_blocks[i]))
+                self._unwritten.setdefault(rid, []).append(req_blocks[i])
         self._num_cached_blocks[rid] = num_full
 
     def mark_written(self) -> None:
@@ -213,7 +213,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks, last block first (evicted first), and forget it."""
         rid = request.request_id
-        for _, block in self._unwritten.pop(rid, ()):  # freed before its step ran
+        for block in self._unwritten.pop(rid, ()):  # freed before its step ran
             self.block_pool.uncache(block)
         blocks = self.req_to_blocks.pop(rid, None)
         self._req_to_block_ids.pop(rid, None)

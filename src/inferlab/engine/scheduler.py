@@ -288,12 +288,11 @@ class Scheduler:
     def discard_step(self, scheduler_output: SchedulerOutput) -> None:
         """The runner failed on this step: nothing it says was computed may be trusted.
 
-        The blocks cached for the step leave the prefix cache (else a retried prompt is served
-        K/V that was never written), and each request the step carried goes back to the front
-        of the waiting queue to be recomputed from scratch, in its FCFS order, so the scheduler
-        stays consistent whether the caller aborts them or steps on.
+        Each request the step carried goes back to the front of the waiting queue, in its FCFS
+        order, to be recomputed from scratch, so the scheduler stays consistent whether the
+        caller aborts them or steps on; freeing their blocks takes the ones cached for this step
+        back out of the prefix cache (else a retried prompt is served K/V never written).
         """
-        self.kv_cache_manager.discard_unwritten()
         ids = {s.request_id for s in scheduler_output.scheduled}
         victims = [r for r in self.running if r.request_id in ids]
         self.running = [r for r in self.running if r.request_id not in ids]
