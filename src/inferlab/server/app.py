@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from inferlab.engine.async_llm import AsyncLLM, EngineLike
 from inferlab.server.auth import ApiKeyGuard
 from inferlab.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from inferlab.server.openapi import describe_bodies
 from inferlab.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from inferlab.server.serving import OpenAIServing, parse_body, validation_error
 
@@ -137,4 +138,6 @@ def build_app(engine_factory: Callable[[], EngineLike], settings: ServerSettings
         req = await parse_body(raw, DetokenizeRequest)
         return JSONResponse(serving.detokenize(req))
 
+    describe_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+                          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})  # fmt: skip
     return app
