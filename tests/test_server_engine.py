@@ -3,6 +3,8 @@ default SmolLM2-135M-Instruct GGUF (slow: marked)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import httpx
 import openai
 import pytest
@@ -155,6 +157,99 @@ def test_a_retry_after_a_failed_step_is_not_served_unwritten_cache(tiny_path):
     offline = LLM(str(tiny_path), dtype="float32", num_kv_blocks=64, max_model_len=512)
     want = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert data["choices"][0]["text"] == want.outputs[0].text
+
+
+def _flaky_engine_server(tiny_path, patch):
+    """A server on the real tiny engine; `patch(engine)` arms a fault once it is built."""
+    holder = {}
+
+    def factory():
+        holder["engine"] = engine = LLMEngine(tiny_config(tiny_path))
+        patch(engine)
+        return engine
+
+    srv = ServerThread(build_app(factory))
+    srv.holder = holder  # type: ignore[attr-defined]
+    return srv
+
+
+def _idle_and_clean(srv) -> None:
+    engine = srv.holder["engine"]
+    wait_until(lambda: metric(scrape(srv.base_url), "vllm:kv_cache_usage_perc") == 0, what="blocks freed")
+    wait_until(lambda: not engine.has_unfinished_requests(), what="engine idle")
+    assert engine.output_processor.requests == {} and engine.scheduler.requests == {}
+
+
+def test_a_tokenizer_that_raises_is_a_500_with_an_error_body_and_nothing_is_lost(tiny_path):
+    armed = {"encode": 1, "decode": 0}
+
+    def patch(engine):
+        tok = engine.tokenizer
+        encode, make_detok = tok.encode, engine.output_processor._make_detok
+
+        def bad_encode(*a, **kw):
+            if armed["encode"] > 0:
+                armed["encode"] -= 1
+                raise RuntimeError("injected tokenizer failure")
+            return encode(*a, **kw)
+
+        class BadDetok:  # raises on its first update: a failure inside the engine step
+            def __init__(self, inner):
+                self.inner = inner
+
+            def __getattr__(self, name):
+                if name == "update" and armed["decode"] > 0:
+                    armed["decode"] -= 1
+                    raise RuntimeError("injected detokenizer failure")
+                return getattr(self.inner, name)
+
+        tok.encode = bad_encode
+        engine.output_processor._make_detok = lambda *a: BadDetok(make_detok(*a))
+
+    body = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with _flaky_engine_server(tiny_path, patch) as srv:
+        srv.wait_ready()
+        r = httpx.post(srv.url("/v1/completions"), json=body)
+        assert r.status_code == 500 and "injected tokenizer failure" in r.json()["error"]["message"]
+        armed["decode"] = 1
+        r = httpx.post(srv.url("/v1/completions"), json=body)
+        assert r.status_code == 500 and r.json()["error"]["message"]
+        _idle_and_clean(srv)
+        r = httpx.post(srv.url("/v1/completions"), json=body)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
+        assert httpx.get(srv.url("/health")).json() == {"status": "ok"}
+
+
+def test_a_disconnect_during_a_long_prefill_frees_everything(tiny_path):
+    import threading
+
+    left = threading.Event()
+    seen = {"steps": 0}
+
+    def patch(engine):
+        engine.scheduler.config = dataclasses.replace(
+            engine.scheduler.config, max_num_batched_tokens=32, long_prefill_token_threshold=32)
+        execute = engine.runner.execute
+
+        def held(so):  # the second prefill chunk waits until the client has gone
+            seen["steps"] += 1
+            if seen["steps"] == 2:
+                left.wait(30)
+            return execute(so)
+
+        engine.runner.execute = held
+
+    prompt = "The scheduler batches requests under one token budget. " * 10  # ~290 tokens
+    with _flaky_engine_server(tiny_path, patch) as srv:
+        srv.wait_ready()
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url("/v1/completions"), json={"prompt": prompt, "max_tokens": 4}, timeout=0.5)
+        left.set()
+        _idle_and_clean(srv)
+        assert 2 <= seen["steps"] < 280 // 32  # it left in the middle of the prefill
+        assert metric(scrape(srv.base_url), "vllm:request_success_total", finished_reason="abort") == 1
+        r = httpx.post(srv.url("/v1/completions"), json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200
 
 
 @pytest.mark.slow

@@ -89,6 +89,13 @@ def build_app(engine_factory: Callable[[], EngineLike], settings: ServerSettings
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         return _error_response(validation_error(exc))
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # A bug or a failing component (a tokenizer that raises): logged with its traceback,
+        # answered in the same error shape as every other failure, the server stays up.
+        logger.exception("unexpected error on %s %s", request.method, request.url.path)
+        return _error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error"))
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
