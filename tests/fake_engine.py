@@ -47,6 +47,10 @@ class FakeTokenizer:
                 out.extend(b"<s>" if i == BOS else b"</s>" if i == EOS else b"<pad>")
         return out.decode("utf-8", errors="replace")
 
+    def info(self) -> dict[str, Any]:
+        return {"tokenizer_class": "FakeTokenizer", "bos_token": "<s>", "eos_token": "</s>", "pad_token": None,
+                "model_max_length": 1 << 20, "chat_template": "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"}  # fmt: skip
+
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return [self.decode([i], skip_special_tokens=False) for i in ids]
 
@@ -88,6 +92,7 @@ class _Req:
     cache_salt: str | None
     use_prefix_cache: bool
     blocks: int = 0
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -176,8 +181,24 @@ class FakeEngine:
             cache_salt,
             use_prefix_cache,
         )
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = self._prompt_logprobs(ids, params.prompt_logprobs)
         self._requests[request_id] = req
         self._waiting.append(req)
+
+    def _prompt_logprobs(self, ids: list[int], k: int) -> list:
+        """vLLM's shape: None, then {prompt token: logprob -1 - p/100, then the top k: 'z', 'y', ...
+        at -0.5, -0.6, ...}, ranks after them unless the prompt token is one of them."""
+        tops = [OFFSET + ord(c) for c in "zyxwv"][:k]
+        out: list = [None]
+        for p in range(1, len(ids)):
+            tok = ids[p]
+            top = [Logprob(t, -0.5 - 0.1 * r, r + 1, self.tokenizer.decode([t])) for r, t in enumerate(tops)]
+            chosen = next((lp for lp in top if lp.token_id == tok), None)
+            if chosen is None:
+                chosen = Logprob(tok, -1.0 - p / 100, len(tops) + 1, self.tokenizer.decode([tok], skip_special_tokens=False))
+            out.append({tok: chosen, **{lp.token_id: lp for lp in top if lp.token_id != tok}})
+        return out
 
     def abort_request(self, request_ids: list[str] | str) -> None:
         self.thread_ids.add(threading.get_ident())
@@ -351,4 +372,5 @@ class FakeEngine:
             outputs=outs,
             finished=req.finished,
             metrics=req.metrics,
+            prompt_logprobs=req.prompt_logprobs,
         )

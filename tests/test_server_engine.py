@@ -8,11 +8,12 @@ import dataclasses
 import httpx
 import openai
 import pytest
+import torch
 from server_harness import ServerThread, metric, scrape, sse_events, wait_until
 
 from inferlab.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig
 from inferlab.engine.llm_engine import LLMEngine
-from inferlab.models.testing import make_tiny_hf_model
+from inferlab.models.testing import load_reference_model, make_tiny_hf_model
 from inferlab.server.app import ServerSettings, build_app
 
 MSG = [{"role": "user", "content": "Hello, world! How are you today?"}]
@@ -104,6 +105,54 @@ def test_prefix_cache_reuse_and_cache_prompt_false(srv):
     s = scrape(srv.base_url)
     assert metric(s, "vllm:prefix_cache_hits_total") >= 16
     assert metric(s, "vllm:cache_config_info", block_size="16", num_gpu_blocks="64") == 1
+
+
+def test_lm_eval_loglikelihood_request(srv, tiny_path):
+    """lm-eval's local-completions scoring: token-id prompts, echo, logprobs 1, max_tokens 1 (or
+    0). Each prompt token's logprob must be a full forward's (transformers' own model): a server
+    that ignored echo would hand back only the generated token's, and lm-eval would score chance.
+    The second prompt shares the first's 32-token prefix (two cached blocks it must not use)."""
+    g = torch.Generator().manual_seed(21)
+    shared = torch.randint(3, 250, (32,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, 250, (9,), generator=g).tolist(), shared + [7, 8, 9]]
+    ref = load_reference_model(tiny_path)
+    body = {"model": "tiny", "prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    r = httpx.post(srv.url("/v1/completions"), json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    scored = httpx.post(srv.url("/v1/completions"), json={**body, "max_tokens": 0}, timeout=60).json()
+    for prompt, choice, alone in zip(prompts, r.json()["choices"], scored["choices"]):
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(prompt) + 1 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        with torch.no_grad():
+            ref_lp = torch.log_softmax(ref(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        for p in range(1, len(prompt)):
+            want = float(ref_lp[p - 1, prompt[p]])
+            assert abs(lp["token_logprobs"][p] - want) <= 1e-4 * max(1.0, abs(want)), p
+            top = lp["top_logprobs"][p]
+            assert 1 <= len(top) <= 2 and max(top.values()) >= lp["token_logprobs"][p]
+            if prompt[p] == int(ref_lp[p - 1].argmax()):  # lm-eval's is_greedy
+                assert max(top.values()) == lp["token_logprobs"][p]
+        # max_tokens 0: the same prompt entries, and nothing else.
+        assert alone["finish_reason"] == "length"
+        assert alone["logprobs"]["token_logprobs"] == lp["token_logprobs"][:-1]
+        assert alone["text"] == choice["text"][: len(alone["text"])]
+    assert scored["usage"]["completion_tokens"] == 0
+    # vLLM's prompt_logprobs agree with the echoed entries.
+    plp = httpx.post(srv.url("/v1/completions"), json={"prompt": prompts[1], "max_tokens": 1, "prompt_logprobs": 1}).json()
+    entries = plp["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(prompts[1])
+    want = scored["choices"][1]["logprobs"]["token_logprobs"]
+    assert [e[str(t)]["logprob"] for e, t in zip(entries[1:], prompts[1][1:])] == want[1:]
+
+
+def test_tokenizer_info_on_the_real_tokenizer(srv):
+    info = httpx.get(srv.url("/tokenizer_info")).json()
+    assert info["eos_token"] == "<|im_end|>" and info["bos_token"] == "<|im_start|>"
+    assert "<|im_start|>" in info["chat_template"] and info["model_max_length"] == 512
+    assert info["tokenizer_class"] and "vocab_file" not in info and "name_or_path" not in info
+    # lm-eval's remote tokenizer encodes the eos token through /tokenize to find its id.
+    ids = httpx.post(srv.url("/tokenize"), json={"prompt": info["eos_token"], "add_special_tokens": False}).json()
+    assert ids["tokens"] == [2]
 
 
 def test_disconnect_frees_blocks_on_the_real_engine(srv):

@@ -311,6 +311,21 @@ class Tokenizer:
         """The Rust `tokenizers.Tokenizer` (for the incremental detokenizer's hot path)."""
         return self._backend
 
+    def info(self) -> dict[str, Any]:
+        """The configuration as vLLM's /tokenizer_info gives it: tokenizer_config.json as
+        transformers loaded it (file paths left out, added tokens as plain dicts), the special
+        tokens as text, the class name and the chat template."""
+        config = {k: v for k, v in (getattr(self._hf, "init_kwargs", None) or {}).items()
+                  if k not in _LOADER_KWARGS}  # fmt: skip
+        config = _json_safe(config)
+        special = getattr(self._hf, "special_tokens_map", None) or {}
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            value = special.get(key)
+            config[key] = value if isinstance(value, str) else _json_safe(value)
+        config["tokenizer_class"] = type(self._hf).__name__
+        config["chat_template"] = self.chat_template
+        return config
+
     def _find_eos_ids(self, added: dict[int, Any], extra: Iterable[int]) -> tuple[int, ...]:
         ids: list[int] = []
         if self.eos_token_id is not None:
@@ -321,6 +336,25 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size})"
+
+
+# init_kwargs that say where and how the files were loaded, not what the tokenizer is.
+_LOADER_KWARGS = frozenset(
+    {"vocab_file", "merges_file", "tokenizer_file", "name_or_path", "is_local", "local_files_only", "cache_dir", "_commit_hash"}
+)
+
+
+def _json_safe(value: Any) -> Any:
+    """A tokenizer config value as JSON: AddedToken as its fields, other objects as text."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if hasattr(value, "content") and hasattr(value, "special"):  # tokenizers.AddedToken
+        return {"content": value.content, "special": value.special}
+    return str(value)
 
 
 def _decoder_is_byte_level(backend: Any) -> bool:

@@ -59,7 +59,9 @@ class LLMEngine:
         self.eos_token_ids = tuple(
             sorted(set(self.model_config.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ()))
         )
-        self.output_processor = OutputProcessor(self._make_detokenizer)
+        tok = self.tokenizer
+        token_text = (lambda i: tok.decode([i], skip_special_tokens=False)) if tok is not None else None
+        self.output_processor = OutputProcessor(self._make_detokenizer, token_text)
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._ids = itertools.count()
         # Called after every forward pass with (SchedulerOutput, ModelRunnerOutput): profiling
@@ -117,7 +119,13 @@ class LLMEngine:
         cache_salt: str | None = None,
         use_prefix_cache: bool = True,
     ) -> None:
-        """Validate and queue a request; raises ValueError (ContextLengthError) on bad input."""
+        """Validate and queue a request; raises ValueError (ContextLengthError) on bad input.
+
+        A request with `prompt_logprobs` does not look the prefix cache up (its blocks still
+        enter the cache for others): prompt logprobs come from the prefill's own logits, and
+        cached positions are never computed, so a hit would leave them out. Recomputing the
+        prompt is the simple correct choice, as vLLM makes it; only requests asking pay.
+        """
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -139,7 +147,7 @@ class LLMEngine:
                     eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
                     arrival_time=arrival,
                     cache_salt=cache_salt,
-                    use_prefix_cache=use_prefix_cache,
+                    use_prefix_cache=use_prefix_cache and params.prompt_logprobs is None,
                     max_model_len=self.max_model_len,
                 )
             )
@@ -178,6 +186,8 @@ class LLMEngine:
             raise
         if self.step_observer is not None:
             self.step_observer(so, ro)
+        if ro.prompt_logprobs:
+            self.output_processor.add_prompt_logprobs(ro.prompt_logprobs)
         core = self.scheduler.update_from_output(so, ro)
         now = time.monotonic()
         step_outputs, stopped = self.output_processor.process(core, now)

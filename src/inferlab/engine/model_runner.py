@@ -14,6 +14,7 @@ import torch
 
 from inferlab.config import CacheConfig, LoadConfig, ModelConfig
 from inferlab.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from inferlab.engine.request import Logprob, TokenLogprobs
 from inferlab.engine.sampler import Sampler
 from inferlab.models.attention import (
     AttentionMetadata,
@@ -35,6 +36,9 @@ from inferlab.models.loader import resolve_dtype, resolve_kv_dtype, resolve_weig
 log = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB on the CPU when nothing else is said
+# Prompt logprobs take the log-softmax of this many positions' logits at a time: a whole
+# 2,048-token prefill over a 49,152-token vocabulary would be 400 MB of float32 at once.
+PROMPT_LOGPROB_ROWS = 256
 
 
 def num_kv_blocks(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
@@ -91,9 +95,12 @@ class ModelRunner:
                                                   for t in (input_ids, positions, sample_index))
             meta = meta_to(meta, self.device)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+        prompt_lps = None
+        if any(s.sampling_params.prompt_logprobs is not None for s in ordered):  # only requests asking pay
+            prompt_lps = self._prompt_logprobs(hidden, ordered)
         sampled_rows = [s for s in ordered if s.sample]
         if not sampled_rows:
-            return ModelRunnerOutput([], [], None, time.perf_counter() - t0)
+            return ModelRunnerOutput([], [], None, time.perf_counter() - t0, prompt_lps)
         logits = self.model.compute_logits(hidden.index_select(0, sample_index))
         if self.device.type != "cpu":
             logits = logits.cpu()  # the sampler (penalties, seeds, logprobs) runs on the host
@@ -103,7 +110,58 @@ class ModelRunner:
         ids = [s.request_id for s in so.scheduled if s.sample]
         toks = [out.token_ids[by_id[r]] for r in ids]
         lps = [out.logprobs[by_id[r]] for r in ids] if out.logprobs is not None else None
-        return ModelRunnerOutput(ids, toks, lps, time.perf_counter() - t0)
+        return ModelRunnerOutput(ids, toks, lps, time.perf_counter() - t0, prompt_lps)
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, ordered: list[ScheduledRequest]
+    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """Prompt logprobs from this step's own hidden states (no second pass): for each chunk of
+        a request that asked, the log-softmax of the lm_head output at every row that predicts
+        a prompt token (row j of a chunk at start_pos predicts the token at start_pos + j + 1),
+        raw like the sampler's logprobs (no temperature or penalties). Rows follow `ordered`,
+        the flat batch's order. Returns request id → (first position predicted, entries)."""
+        spans: list[tuple[ScheduledRequest, int, int]] = []  # (request, its first row, rows that predict prompt tokens)
+        row = 0
+        for s in ordered:
+            n = len(s.token_ids)
+            if s.sampling_params.prompt_logprobs is not None:
+                m = min(n, len(s.prompt_token_ids) - 1 - s.start_pos)
+                if m > 0:
+                    spans.append((s, row, m))
+            row += n
+        if not spans:
+            return {}
+        index = torch.cat([torch.arange(r, r + m) for _, r, m in spans]).to(hidden.device)
+        targets = torch.tensor(
+            [t for s, _, m in spans for t in s.prompt_token_ids[s.start_pos + 1 : s.start_pos + 1 + m]], dtype=torch.long
+        ).to(hidden.device)
+        k_max = max(s.sampling_params.prompt_logprobs or 0 for s, _, _ in spans)
+        vals, ranks, top_vals, top_ids = [], [], [], []
+        for a in range(0, index.numel(), PROMPT_LOGPROB_ROWS):
+            logits = self.model.compute_logits(hidden.index_select(0, index[a : a + PROMPT_LOGPROB_ROWS]))
+            lp = torch.log_softmax(logits, dim=-1)
+            val = lp.gather(1, targets[a : a + PROMPT_LOGPROB_ROWS].unsqueeze(1))
+            vals.append(val.squeeze(1))
+            ranks.append((lp > val).sum(dim=1) + 1)
+            if k_max:
+                v, i = lp.topk(k_max, dim=-1)
+                top_vals.append(v)
+                top_ids.append(i)
+        val_list = torch.cat(vals).tolist()
+        rank_list = torch.cat(ranks).tolist()
+        tv = torch.cat(top_vals).tolist() if k_max else None
+        ti = torch.cat(top_ids).tolist() if k_max else None
+        out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+        j = 0
+        for s, _, m in spans:
+            k = s.sampling_params.prompt_logprobs or 0
+            entries: list[TokenLogprobs] = []
+            for p in range(s.start_pos + 1, s.start_pos + 1 + m):
+                top = [Logprob(t, x, r + 1) for r, (t, x) in enumerate(zip(ti[j][:k], tv[j][:k]))] if k else []
+                entries.append((Logprob(s.prompt_token_ids[p], val_list[j], rank_list[j]), top))
+                j += 1
+            out[s.request_id] = (s.start_pos + 1, entries)
+        return out
 
     def _prepare(
         self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]

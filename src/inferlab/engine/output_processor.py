@@ -8,10 +8,19 @@ ends a child early: the engine then tells the scheduler to finish it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from inferlab.engine.outputs import EngineCoreOutput
-from inferlab.engine.request import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams, TokenLogprobs
+from inferlab.engine.request import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprobs,
+)
 
 
 @dataclass
@@ -39,6 +48,7 @@ class _RequestState:
     sequences: list[_Sequence]
     metrics: RequestMetrics
     error: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # one per prompt position known so far
 
     @property
     def finished(self) -> bool:
@@ -46,9 +56,12 @@ class _RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, make_detokenizer):
-        """make_detokenizer(prompt_token_ids, params) -> IncrementalDetokenizer | None."""
+    def __init__(self, make_detokenizer, token_text: Callable[[int], str] | None = None):
+        """make_detokenizer(prompt_token_ids, params) -> IncrementalDetokenizer | None;
+        token_text(token_id) -> its text, for prompt logprobs' decoded_token (None: left unset)."""
         self._make_detok = make_detokenizer
+        self._token_text = token_text
+        self._token_text_cache: dict[int, str] = {}
         self.requests: dict[str, _RequestState] = {}
         self.child_to_parent: dict[str, tuple[str, int]] = {}
 
@@ -78,10 +91,43 @@ class OutputProcessor:
             params,
             seqs,
             RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids)),
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
 
     def child_ids(self, request_id: str) -> list[str]:
         return [c for c, (p, _) in self.child_to_parent.items() if p == request_id]
+
+    def add_prompt_logprobs(self, chunks: dict[str, tuple[int, list[TokenLogprobs]]]) -> None:
+        """Fold one step's prompt logprobs in (before `process`, which may finish the request).
+
+        Keyed by position: a child recomputing its prompt after preemption, or another of n
+        children computing the same prompt, reports positions already known; only new ones
+        are appended. Every chunk follows its child's earlier chunks from position 0 (such a
+        request takes no prefix-cache hit), so there are no gaps.
+        """
+        for cid, (start, entries) in chunks.items():
+            ref = self.child_to_parent.get(cid)
+            if ref is None:
+                continue
+            have = self.requests[ref[0]].prompt_logprobs
+            if have is None or start > len(have):
+                continue
+            for chosen, top in entries[len(have) - start :]:
+                entry = {chosen.token_id: self._decoded(chosen)}
+                for alt in top:
+                    if alt.token_id not in entry:
+                        entry[alt.token_id] = self._decoded(alt)
+                have.append(entry)
+
+    def _decoded(self, lp: Logprob) -> Logprob:
+        if self._token_text is not None and lp.decoded_token is None:
+            text = self._token_text_cache.get(lp.token_id)
+            if text is None:
+                text = self._token_text(lp.token_id)
+                if len(self._token_text_cache) < 200_000:
+                    self._token_text_cache[lp.token_id] = text
+            lp.decoded_token = text
+        return lp
 
     def process(self, core_outputs: list[EngineCoreOutput], now: float) -> tuple[list[RequestOutput], list[str]]:
         """Fold one step's outputs in. Returns the RequestOutputs to emit and the child ids a
@@ -196,4 +242,5 @@ class OutputProcessor:
             finished=finished,
             metrics=state.metrics,
             error=state.error,
+            prompt_logprobs=state.prompt_logprobs,
         )

@@ -53,6 +53,10 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None  # parallel to request_ids when any request asked
     step_time: float = 0.0  # seconds spent in the forward pass and sampling
+    # Requests with prompt_logprobs whose chunk this step predicted prompt tokens: request id →
+    # (position of the first entry, >= 1; one (prompt token, top k) entry per position after it).
+    # A chunk recomputed after preemption reports its positions again: the reader keeps the first.
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
 
 
 @dataclass

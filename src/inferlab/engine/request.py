@@ -32,6 +32,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None = none; k >= 0 = the chosen token's logprob and the top k
+    # None = none; k >= 0 = each prompt token's logprob and the top k at its position (vLLM's),
+    # from the prefill's own logits. Such a request skips the prefix-cache lookup (see LLMEngine).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -66,6 +69,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs!r}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative token ids")
 
@@ -174,10 +179,15 @@ class Logprob:
     token_id: int
     logprob: float
     rank: int | None = None  # 1 = the most likely token
+    decoded_token: str | None = None  # the token's text; set on prompt logprobs (vLLM's field)
 
 
 # Per generated token: the chosen token's Logprob and the top k alternatives (k = SamplingParams.logprobs).
 TokenLogprobs = tuple[Logprob, list[Logprob]]
+
+# Per prompt token, vLLM's shape: None for the first token (nothing predicts it), then
+# {token_id: Logprob} with the prompt token first and the top k (SamplingParams.prompt_logprobs) after it.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -276,6 +286,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None  # set when the request failed inside the engine
+    # With SamplingParams.prompt_logprobs: one entry per prompt token so far (complete, one per
+    # prompt token, by the time any sequence has a token); else None.
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def num_cached_tokens(self) -> int:

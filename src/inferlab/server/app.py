@@ -140,6 +140,10 @@ def build_app(engine_factory: Callable[[], EngineLike], settings: ServerSettings
         req = await parse_body(raw, TokenizeRequest)
         return JSONResponse(serving.tokenize(req))
 
+    @app.get("/tokenizer_info", dependencies=guarded)
+    async def tokenizer_info() -> JSONResponse:
+        return JSONResponse(serving.tokenizer_info())
+
     @app.post("/detokenize", dependencies=guarded)
     async def detokenize(raw: Request) -> JSONResponse:
         req = await parse_body(raw, DetokenizeRequest)

@@ -1,16 +1,20 @@
 """The OpenAI-compatible request bodies (pydantic) and their translation to `SamplingParams`.
 
 Unknown fields are ignored, not rejected: benchmark clients send extras (vLLM's and llama.cpp's
-own fields, `user`, ...). Absent sampling fields get neutral values (temperature 1, top_p 1,
-top_k off, min_p 0, penalties off). Range checks live in `SamplingParams`; its `ValueError`
-names the field, which becomes the error's `param`.
+own fields, `user`, ...). But a field we know and cannot honour (`best_of` > n, `suffix`,
+`logit_bias`, a JSON `response_format`, tools, guided decoding, ...) is a 400 naming it when
+it carries anything but its neutral value: ignoring it would answer a different question
+without saying so (lm-eval scored chance while `echo` was ignored). Absent sampling fields get
+neutral values (temperature 1, top_p 1, top_k off, min_p 0, penalties off). Range checks live
+in `SamplingParams`; its `ValueError` names the field, which becomes the error's `param`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
 from inferlab.engine.request import SamplingParams
 
@@ -46,6 +50,42 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+def _unset(value: Any, body: dict[str, Any]) -> bool:
+    return value is None
+
+
+def _empty(value: Any, body: dict[str, Any]) -> bool:
+    return value is None or value is False or value == "" or value == [] or value == {}
+
+
+def _text_format(value: Any, body: dict[str, Any]) -> bool:
+    return value is None or (isinstance(value, dict) and value.get("type", "text") == "text")
+
+
+def _best_of_n(value: Any, body: dict[str, Any]) -> bool:
+    return value is None or value == 1 or value == body.get("n", 1)  # best of n from n: every one
+
+
+# Fields both routes know but do not implement → "is this value neutral?" (then it is accepted).
+_UNSUPPORTED: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
+    "logit_bias": _empty,
+    "response_format": _text_format,
+    "tools": _empty,
+    "functions": _empty,
+    "guided_json": _unset,
+    "guided_regex": _unset,
+    "guided_choice": _unset,
+    "guided_grammar": _unset,
+    "structured_outputs": _unset,
+    "grammar": _empty,  # llama.cpp's
+    "json_schema": _empty,  # llama.cpp's
+    "use_beam_search": _empty,
+    "logits_processors": _empty,
+    "return_tokens_as_token_ids": _empty,
+    "truncate_prompt_tokens": _unset,
+}
+
+
 class StreamOptions(_Lenient):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage on every chunk
@@ -78,10 +118,26 @@ class _GenerationRequest(_Lenient):
     cache_prompt: bool = True  # llama.cpp's: False = reuse no cached prefix for this request
     timeout: float | None = Field(default=None, gt=0)  # per-request deadline in seconds (the server caps it)
 
+    # This route's own known-but-unimplemented fields, on top of _UNSUPPORTED.
+    _unsupported: ClassVar[dict[str, Callable[[Any, dict[str, Any]], bool]]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unsupported(cls, data: Any) -> Any:
+        """A known field we cannot honour, set to anything but its neutral value → 400 naming it."""
+        if isinstance(data, dict):
+            for name, neutral in (_UNSUPPORTED | cls._unsupported).items():
+                if name in data and not neutral(data[name], data):
+                    raise bad_request(f"{name} is not supported by this server (got {data[name]!r})", param=name)
+        return data
+
     def _max_tokens(self) -> int | None:
         return self.max_tokens
 
     def _logprobs(self) -> int | None:
+        return None
+
+    def _prompt_logprobs(self) -> int | None:
         return None
 
     @property
@@ -116,6 +172,7 @@ class _GenerationRequest(_Lenient):
                 ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logprobs=self._logprobs(),
+                prompt_logprobs=self._prompt_logprobs(),
                 skip_special_tokens=self.skip_special_tokens,
             )
         except ValueError as e:
@@ -148,6 +205,8 @@ class ChatMessage(_Lenient):
 
 
 class ChatCompletionRequest(_GenerationRequest):
+    _unsupported = {"echo": _empty, "prompt_logprobs": _unset}
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
@@ -170,13 +229,38 @@ PromptInput = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictIn
 
 
 class CompletionRequest(_GenerationRequest):
+    """Legacy completions. `echo` puts the prompt before the completion (with `logprobs`, one
+    entry per prompt token first, the first one null: OpenAI's shape, what lm-eval scores);
+    `max_tokens: 0` with `echo` scores the prompt alone; `prompt_logprobs` is vLLM's."""
+
+    _unsupported = {"suffix": _empty, "best_of": _best_of_n}
+
     prompt: PromptInput
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 only with echo
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     add_special_tokens: bool = True
 
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt scored, nothing generated (shown)."""
+        return self.echo and self.max_tokens == 0
+
+    def _max_tokens(self) -> int | None:
+        if self.max_tokens == 0:
+            if not self.echo:
+                raise bad_request("max_tokens must be >= 1 unless echo is true", param="max_tokens")
+            return 1  # as vLLM: the engine samples one token, which the response leaves out
+        return self.max_tokens
+
     def _logprobs(self) -> int | None:
         return self.logprobs
+
+    def _prompt_logprobs(self) -> int | None:
+        """What the engine computes: vLLM's prompt_logprobs, and with echo the logprobs top k."""
+        want = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(want) if want else None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, one per engine request (a list of ints is one tokenized prompt)."""

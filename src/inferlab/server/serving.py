@@ -159,6 +159,20 @@ class OpenAIServing:
             out["token_strs"] = list(tok.convert_ids_to_tokens(ids))
         return out
 
+    def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's GET /tokenizer_info: the tokenizer's configuration (bos/eos/pad tokens as text,
+        tokenizer_class, chat_template, ...), what lm-eval's remote tokenizer reads. Its
+        model_max_length is this server's context window, not the tokenizer file's guess."""
+        engine = self.engine
+        tok = engine.tokenizer
+        if tok is None:
+            raise ApiError(404, "this model has no tokenizer", "not_found_error")
+        info = dict(tok.info()) if hasattr(tok, "info") else {"tokenizer_class": type(tok).__name__}
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token", "chat_template"):
+            info.setdefault(key, None)
+        info["model_max_length"] = engine.max_model_len
+        return info
+
     def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         engine = self.engine
         self.check_model(req.model)
@@ -167,6 +181,13 @@ class OpenAIServing:
         except Exception as e:  # noqa: BLE001 - out-of-range ids and the like
             raise bad_request(f"cannot decode these tokens: {e}", param="tokens") from None
         return {"prompt": text}
+
+    @staticmethod
+    def _decode_prompt(tokenizer: Any, ids: list[int]) -> str:
+        try:
+            return tokenizer.decode(ids, skip_special_tokens=False)
+        except Exception as e:  # noqa: BLE001 - out-of-range ids: the engine names them
+            raise bad_request(f"cannot decode the prompt's token ids: {e}", param="prompt") from None
 
     @staticmethod
     def _chat_prompt(tokenizer: Any, messages: list, add_generation_prompt: bool = True) -> list[int]:
@@ -200,12 +221,21 @@ class OpenAIServing:
         engine = self.engine
         model = self.check_model(req.model)
         prompts: list[list[int]] = []
+        texts: list[str | None] = []
         for p in req.prompts():
             if isinstance(p, str):
                 prompts.append(list(engine.tokenizer.encode(p, add_special_tokens=req.add_special_tokens)))
+                texts.append(p)
             else:
                 prompts.append(p)
+                texts.append(None)
         params = req.to_sampling_params()
+        echo_prompts = None
+        if req.echo:  # the prompt as sent; token ids as their text (special tokens spelled out)
+            echo_prompts = [
+                (t if t is not None else self._decode_prompt(engine.tokenizer, ids), ids) for t, ids in zip(texts, prompts)
+            ]
+        need_text = params.logprobs is not None or req.prompt_logprobs is not None
         ctx = ResponseContext(
             kind="completion",
             response_id=f"cmpl-{uuid.uuid4().hex}",
@@ -215,7 +245,11 @@ class OpenAIServing:
             include_usage=req.include_usage,
             continuous_usage=req.continuous_usage,
             want_logprobs=params.logprobs is not None,
-            token_text=self.token_text() if params.logprobs is not None else None,
+            token_text=self.token_text() if need_text else None,
+            echo_prompts=echo_prompts,
+            echo_only=req.echo_only,
+            logprobs=req.logprobs,
+            prompt_logprobs=req.prompt_logprobs,
         )
         log_text = None
         if self.log_prompts:

@@ -18,7 +18,17 @@ from typing import Any
 from inferlab.engine.async_llm import EngineStepError, RequestStream
 from inferlab.engine.request import RequestOutput
 from inferlab.server.admission import to_api_error
-from inferlab.server.render import SSE_DONE, TokenText, chat_logprobs, completion_logprobs, sse, timings, usage
+from inferlab.server.render import (
+    SSE_DONE,
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    echo_items,
+    prompt_logprobs_json,
+    sse,
+    timings,
+    usage,
+)
 
 
 @dataclass
@@ -34,6 +44,11 @@ class ResponseContext:
     continuous_usage: bool = False
     want_logprobs: bool = False
     token_text: TokenText | None = None
+    # Completions with echo: each prompt's (text, token ids), shown before its completions.
+    echo_prompts: list[tuple[str, list[int]]] | None = None
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone, finish_reason "length"
+    logprobs: int | None = None  # completions' top k, for the echoed prompt's entries too
+    prompt_logprobs: int | None = None  # vLLM's: each choice carries `prompt_logprobs`
     # Called once at the end with (status, the last output of each prompt): the request's log line.
     on_done: Callable[[str, list[RequestOutput | None]], None] | None = None
 
@@ -83,6 +98,35 @@ def _check_finish(reason: str | None) -> None:
         raise EngineStepError(f"the engine ended the request ({reason})")
 
 
+def completion_text_and_logprobs(
+    ctx: ResponseContext, p: int, out: RequestOutput, text: str, items: list[Any], first: bool, offset: int = 0
+) -> tuple[str, dict[str, Any] | None]:
+    """A completion choice's text and logprobs; in its `first` piece under echo, prompt p's
+    text and entries go before them (under echo_only, alone)."""
+    if ctx.echo_prompts is None or not first:
+        lp = completion_logprobs(items, ctx.token_text, offset) if ctx.want_logprobs else None
+        return text, lp
+    prompt_text, prompt_ids = ctx.echo_prompts[p]
+    if ctx.echo_only:
+        text, items = "", []
+    lp = None
+    if ctx.want_logprobs:
+        head = completion_logprobs(echo_items(prompt_ids, out.prompt_logprobs, ctx.logprobs or 0), ctx.token_text)
+        lp = completion_logprobs(items, ctx.token_text, len(prompt_text), prefix=head)
+    return prompt_text + text, lp
+
+
+def _finish_fields(ctx: ResponseContext, reason: str | None, stop_reason: Any) -> tuple[str | None, Any]:
+    """echo_only answers "length" (max_tokens 0 reached) whatever ended the one sampled token."""
+    if ctx.echo_only and reason is not None:
+        return "length", None
+    return reason, stop_reason
+
+
+def _prompt_logprobs_field(ctx: ResponseContext, out: RequestOutput) -> list[Any] | None:
+    return prompt_logprobs_json(out.prompt_token_ids, out.prompt_logprobs, ctx.prompt_logprobs or 0, ctx.token_text)
+
+
 async def sse_stream(ctx: ResponseContext, streams: list[RequestStream]) -> AsyncIterator[bytes]:
     """The SSE body of a streamed chat or completion request."""
     head = {
@@ -93,6 +137,7 @@ async def sse_stream(ctx: ResponseContext, streams: list[RequestStream]) -> Asyn
     }
     latest: list[RequestOutput | None] = [None] * len(streams)
     text_offsets: dict[int, int] = {}
+    started: set[int] = set()  # completion choices that sent their first piece (the echo)
     status = "disconnected"
     try:
         if ctx.chat:
@@ -109,31 +154,43 @@ async def sse_stream(ctx: ResponseContext, streams: list[RequestStream]) -> Asyn
                 _check_finish(reason)
                 if not c.text_delta and reason is None and not c.logprobs_delta:
                     continue
+                if ctx.echo_only and reason is None:
+                    continue  # its one piece comes with the finish
                 index = base + c.index
                 lp = None
-                if ctx.want_logprobs and c.logprobs_delta:
-                    if ctx.chat:
-                        lp = chat_logprobs(c.logprobs_delta, ctx.token_text)
-                    else:
-                        lp = completion_logprobs(c.logprobs_delta, ctx.token_text, text_offsets.get(index, 0))
-                        text_offsets[index] = text_offsets.get(index, 0) + len(c.text_delta)
+                stop_reason = c.stop_reason
                 if ctx.chat:
+                    if ctx.want_logprobs and c.logprobs_delta:
+                        lp = chat_logprobs(c.logprobs_delta, ctx.token_text)
                     choice = {"index": index, "delta": {"content": c.text_delta} if c.text_delta else {}}
                 else:
-                    choice = {"index": index, "text": c.text_delta}
+                    first = index not in started
+                    started.add(index)
+                    offset = text_offsets.get(index, 0)
+                    text, lp = completion_text_and_logprobs(
+                        ctx, p, out, c.text_delta, c.logprobs_delta or [], first, offset
+                    )
+                    if lp is not None and not lp["tokens"]:
+                        lp = None
+                    text_offsets[index] = offset + len(text)
+                    choice = {"index": index, "text": text}
+                    if first and ctx.prompt_logprobs is not None:
+                        choice["prompt_logprobs"] = _prompt_logprobs_field(ctx, out)
+                    reason, stop_reason = _finish_fields(ctx, reason, stop_reason)
                 choice["logprobs"] = lp
                 choice["finish_reason"] = reason
                 if reason is not None:
-                    choice["stop_reason"] = c.stop_reason
+                    choice["stop_reason"] = stop_reason
                 chunk = {**head, "choices": [choice]}
                 if ctx.include_usage:
-                    chunk["usage"] = usage([o for o in latest if o is not None]) if ctx.continuous_usage else None
+                    chunk["usage"] = (usage([o for o in latest if o is not None], ctx.echo_only)
+                                      if ctx.continuous_usage else None)  # fmt: skip
                 if out.finished and reason is not None and len(streams) == 1:
                     chunk["timings"] = timings([out])
                 yield sse(chunk)
         finals = [o for o in latest if o is not None]
         if ctx.include_usage:
-            chunk = {**head, "choices": [], "usage": usage(finals)}
+            chunk = {**head, "choices": [], "usage": usage(finals, ctx.echo_only)}
             t = timings(finals)
             if t is not None:
                 chunk["timings"] = t
@@ -158,15 +215,18 @@ def response_dict(ctx: ResponseContext, finals: list[RequestOutput], logprobs: l
         for c in out.outputs:
             _check_finish(c.finish_reason)
             index = p * ctx.n + c.index
-            lp = None
-            if ctx.want_logprobs:
-                items = logprobs[p][c.index] if logprobs[p][c.index] else (c.logprobs or [])
-                lp = chat_logprobs(items, ctx.token_text) if ctx.chat else completion_logprobs(items, ctx.token_text)
+            items = (logprobs[p][c.index] if logprobs[p][c.index] else (c.logprobs or [])) if ctx.want_logprobs else []
+            reason, stop_reason = c.finish_reason, c.stop_reason
             if ctx.chat:
+                lp = chat_logprobs(items, ctx.token_text) if ctx.want_logprobs else None
                 choice = {"index": index, "message": {"role": "assistant", "content": c.text}}
             else:
-                choice = {"index": index, "text": c.text}
-            choice.update({"logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                text, lp = completion_text_and_logprobs(ctx, p, out, c.text, items, first=True)
+                choice = {"index": index, "text": text}
+                if ctx.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = _prompt_logprobs_field(ctx, out)
+                reason, stop_reason = _finish_fields(ctx, reason, stop_reason)
+            choice.update({"logprobs": lp, "finish_reason": reason, "stop_reason": stop_reason})
             choices.append(choice)
     choices.sort(key=lambda ch: ch["index"])
     body = {
@@ -175,7 +235,7 @@ def response_dict(ctx: ResponseContext, finals: list[RequestOutput], logprobs: l
         "created": ctx.created,
         "model": ctx.model,
         "choices": choices,
-        "usage": usage(finals),
+        "usage": usage(finals, ctx.echo_only),
     }
     t = timings(finals)
     if t is not None:
