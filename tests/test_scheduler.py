@@ -357,6 +357,16 @@ def test_finish_requests_needs_a_finished_status():
         sched.finish_requests("0", RequestStatus.RUNNING)
 
 
+def test_a_prompt_that_fills_the_context_window_is_refused_at_add_request():
+    sched = make_scheduler(max_model_len=16)
+    with pytest.raises(ValueError, match="16 tokens: no room to generate within its context window of 16"):
+        sched.add_request(make_request("full", num_prompt_tokens=16))
+    with pytest.raises(ValueError, match="context window of 8"):
+        sched.add_request(make_request("own", num_prompt_tokens=8, max_model_len=8))
+    assert not sched.has_unfinished_requests()
+    sched.add_request(make_request("fits", num_prompt_tokens=15))
+
+
 def test_duplicate_request_id_is_rejected():
     sched = make_scheduler()
     sched.add_request(make_request("0"))

@@ -69,9 +69,15 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in and out
 
     def add_request(self, request: Request) -> None:
-        """Queue a request (FCFS). Token counts are the engine's to validate."""
+        """Queue a request (FCFS). The engine validates token counts for its users; checked
+        again here so that a caller that skips it (the simulator, a test) fails at once."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        if request.num_tokens >= self._max_len(request):
+            raise ValueError(
+                f"request {request.request_id!r} has {request.num_tokens} tokens: no room to generate "
+                f"within its context window of {self._max_len(request)}"
+            )
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -196,7 +202,6 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill and request.num_tokens - num_computed > budget:
                     break
                 num_new = self._num_new_tokens(request, num_computed, budget)
-                assert num_new > 0, f"request {request.request_id} has nothing to compute (prompt too long?)"
                 if kv.allocate_slots(request, num_new, hits) is None:
                     break
                 self.waiting.popleft()
