@@ -216,6 +216,8 @@ def test_length_caps_are_400s_naming_the_field(tmp_path):
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "prompt" and "31" in err["message"]
         assert httpx.post(url, json={"prompt": "x" * 30, "max_tokens": 1}, headers=A).status_code == 200
+        r = httpx.post(url, json={"prompt": "abc", "min_tokens": 6}, headers=A)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
         r = chat(srv, A, messages=[{"role": "user", "content": "x" * 30}])
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 

@@ -358,7 +358,10 @@ class OpenAIServing:
                 )
         if lim.max_tokens is not None:
             if params.max_tokens is None:
-                return dataclasses.replace(params, max_tokens=lim.max_tokens)
+                try:
+                    return dataclasses.replace(params, max_tokens=lim.max_tokens)
+                except ValueError as e:  # e.g. min_tokens above the tenant's cap
+                    raise bad_request(str(e), param=str(e).split(" ", 1)[0]) from None
             if params.max_tokens > lim.max_tokens:
                 field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
                 raise bad_request(
