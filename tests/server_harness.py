@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator
 import httpx
 import uvicorn
 
+from inferlab.server.limits import uvicorn_options
+
 
 class ServerThread:
     """`with ServerThread(app) as srv:` serves `app` at `srv.base_url` until the block ends."""
@@ -23,9 +25,12 @@ class ServerThread:
         self.sock.bind(("127.0.0.1", 0))  # the port is ours from here on: no race with other tests
         self.port = self.sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
+        settings = getattr(app.state, "settings", None)
+        options = uvicorn_options(settings.limits) if settings is not None else {}  # the server's own protocol
         config = uvicorn.Config(
-            app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=shutdown_timeout
-        )
+            app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=shutdown_timeout,
+            **options,
+        )  # fmt: skip
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

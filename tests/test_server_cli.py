@@ -125,3 +125,69 @@ def test_serve_reports_a_missing_model(tmp_path):
     )  # fmt: skip
     assert proc.returncode != 0
     assert "nowhere.gguf" in proc.stderr
+
+
+# ---------------------------------------------------------------------------- --api-keys and limits
+GOOD_KEYS = '{"tenants": [{"name": "team-a", "keys": ["sk-a"], "max_concurrent": 4}]}'
+BAD_KEYS = {
+    "malformed": ('{"tenants": [\n  {"name": "team-a", "keys": ["sk-a",]}\n]}\n', ":2:38: not valid JSON"),
+    "duplicate": (
+        '{"tenants": [\n  {"name": "team-a", "keys": ["sk-a"]},\n  {"name": "team-b",\n   "keys": ["sk-b", "sk-a"]}\n]}\n',
+        ":4: tenant 'team-b' has a key that tenant 'team-a' already has (line 2)",
+    ),
+    "zero": ('{"tenants": [\n  {"name": "team-a", "keys": ["sk-a"],\n   "requests_per_minute": 0}\n]}\n',
+             ":3: tenant 'team-a': requests_per_minute must be a positive integer"),
+    "negative": ('{"tenants": [{"name": "team-a", "keys": ["sk-a"], "max_tokens": -5}]}', "max_tokens must be a positive integer"),
+    "unknown": ('{"tenants": [\n  {"name": "team-a", "keys": ["sk-a"],\n   "max_concurency": 4}\n]}\n',
+                ":3: tenant 'team-a': unknown field 'max_concurency'"),
+    "same-tenant": ('{"tenants": [{"name": "t", "keys": ["sk-a",\n "sk-a"]}]}', "lists the same key twice (lines 1 and 2)"),
+    "two-names": ('{"tenants": [{"name": "t", "keys": ["k1"]},\n {"name": "t", "keys": ["k2"]}]}', ":2: a second tenant named 't'"),
+    "no-tenants": ('{"tenants": []}', "tenants"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(BAD_KEYS))
+def test_bad_keys_file_refused_with_one_line(case, tmp_path, capsys):
+    from inferlab.cli import main
+
+    text, expected = BAD_KEYS[case]
+    path = tmp_path / "keys.json"
+    path.write_text(text)
+    assert main(["serve", "--api-keys", str(path), "--load-format", "dummy"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"inferlab serve: error: {path}:"), err
+    assert expected in err and "Traceback" not in err
+    assert "sk-a" not in err and "sk-b" not in err  # keys never in messages
+
+
+def test_api_key_and_api_keys_together_refused(tmp_path, capsys):
+    from inferlab.cli import main
+
+    path = tmp_path / "keys.json"
+    path.write_text(GOOD_KEYS)
+    assert main(["serve", "--api-keys", str(path), "--api-key", "x"]) == 2
+    assert "use one" in capsys.readouterr().err
+    assert main(["serve", "--header-timeout", "0"]) == 2
+    assert "--header-timeout" in capsys.readouterr().err
+
+
+def test_limit_flags():
+    argv = ["serve", "--max-request-body-bytes", "1MiB", "--header-timeout", "3", "--body-timeout", "4",
+            "--send-timeout", "5", "--keep-alive-timeout", "6", "--api-keys", "k.json"]  # fmt: skip
+    parser, _ = build_parser(argv)
+    args = parser.parse_args(argv)
+    assert (args.max_request_body_bytes, args.header_timeout, args.body_timeout, args.send_timeout,
+            args.keep_alive_timeout, args.api_keys) == (1024**2, 3, 4, 5, 6, "k.json")  # fmt: skip
+    args = parser.parse_args(["serve"])
+    assert args.max_request_body_bytes == 8 * 1024**2 and args.api_keys is None
+
+
+def test_serve_refuses_a_bad_keys_file_before_loading(tmp_path):
+    path = tmp_path / "keys.json"
+    path.write_text(BAD_KEYS["duplicate"][0])
+    proc = subprocess.run(
+        [sys.executable, "-m", "inferlab.cli", "serve", "--api-keys", str(path), "--port", str(_free_port())],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert "tenant 'team-b'" in proc.stderr and "(line 2)" in proc.stderr

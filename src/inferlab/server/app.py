@@ -6,6 +6,10 @@
 
 Every error leaves as `{"error": {"message", "type", "param", "code"}}`, FastAPI's 422s included
 (they become 400s: clients and benchmark tools treat 4xx alike, and OpenAI answers 400).
+
+Every guarded route knows its caller's `Tenant` (auth.py); the generation routes go through
+that tenant's quotas (quotas.py) and count each request's outcome per tenant (a stream's at its
+end). Body size and client timeouts: limits.py.
 """
 
 from __future__ import annotations
@@ -14,20 +18,23 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferlab.engine.async_llm import AsyncLLM, EngineLike
 from inferlab.server.auth import ApiKeyGuard
-from inferlab.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from inferlab.server.limits import HttpLimits, LimitsMiddleware
+from inferlab.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics, TenantMetrics, outcome_of_status
 from inferlab.server.openapi import describe_bodies
 from inferlab.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from inferlab.server.quotas import TenantGate
 from inferlab.server.serving import OpenAIServing, parse_body, validation_error
+from inferlab.server.tenants import Tenant, TenantTable
 
 logger = logging.getLogger("inferlab.server")
 
@@ -37,23 +44,46 @@ class ServerSettings:
     """The server's own knobs (the engine's live in `EngineConfig`)."""
 
     served_model_names: tuple[str, ...] = ()  # empty: the engine's model name
-    api_key: str | None = None
+    api_key: str | None = None  # one key, one anonymous tenant without limits
+    tenants: TenantTable | None = None  # --api-keys (exclusive with api_key); neither: open access
     metrics_public: bool = False  # /metrics without the API key
     log_prompts: bool = False
     max_queue_len: int | None = None  # requests admitted but not yet running; None = unbounded
     request_timeout: float | None = None  # seconds from arrival; None = no deadline
     shutdown_timeout: float = 30.0  # seconds to let in-flight requests finish
     stall_timeout: float = 300.0  # one engine call longer than this: /health says 503
+    limits: HttpLimits = field(default_factory=HttpLimits)  # body size, client timeouts
+
+    def tenant_table(self) -> TenantTable:
+        if self.tenants is not None and self.api_key is not None:
+            raise ValueError("give either an API key or a tenants file (--api-key or --api-keys), not both")
+        if self.tenants is not None:
+            return self.tenants
+        return TenantTable.single_key(self.api_key) if self.api_key else TenantTable.open_access()
 
 
 def _error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-def build_app(engine_factory: Callable[[], EngineLike], settings: ServerSettings | None = None) -> FastAPI:
-    """An app serving the engine that `engine_factory` builds (called on the engine thread)."""
+def build_app(
+    engine_factory: Callable[[], EngineLike],
+    settings: ServerSettings | None = None,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+) -> FastAPI:
+    """An app serving the engine that `engine_factory` builds (called on the engine thread);
+    `clock` drives the tenants' rate windows (tests step it by hand)."""
     settings = settings or ServerSettings()
+    table = settings.tenant_table()
     metrics = ServerMetrics(model_name=settings.served_model_names[0] if settings.served_model_names else None)
+    tenant_metrics = TenantMetrics(metrics.registry, table.names)
+    gate = TenantGate(
+        table.tenants,
+        clock=clock,
+        on_limited=lambda t, limit: tenant_metrics.rate_limited(t.name, limit),
+        on_in_flight=lambda t, n: tenant_metrics.in_flight(t.name, n),
+    )
     llm = AsyncLLM(
         engine_factory,
         max_queue_len=settings.max_queue_len,
@@ -66,8 +96,10 @@ def build_app(engine_factory: Callable[[], EngineLike], settings: ServerSettings
         served_model_names=settings.served_model_names,
         log_prompts=settings.log_prompts,
         request_timeout=settings.request_timeout,
+        gate=gate,
+        tenant_metrics=tenant_metrics,
     )
-    guard = ApiKeyGuard(settings.api_key)
+    guard = ApiKeyGuard(table)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -76,8 +108,11 @@ def build_app(engine_factory: Callable[[], EngineLike], settings: ServerSettings
         await asyncio.to_thread(llm.shutdown, settings.shutdown_timeout)
 
     app = FastAPI(title="inferlab", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(LimitsMiddleware, limits=settings.limits)
     app.state.llm = llm
     app.state.metrics = metrics
+    app.state.tenant_metrics = tenant_metrics
+    app.state.gate = gate
     app.state.settings = settings
     app.state.serving = serving
 
@@ -123,17 +158,42 @@ def build_app(engine_factory: Callable[[], EngineLike], settings: ServerSettings
     async def models() -> JSONResponse:
         return JSONResponse(serving.models())
 
-    @app.post("/v1/chat/completions", dependencies=guarded)
-    async def chat_completions(raw: Request) -> Response:
-        arrival = time.monotonic()
-        req = await parse_body(raw, ChatCompletionRequest)
-        return await serving.chat(req, raw, arrival)
+    async def counted(tenant: Tenant, handle: Callable[[], Awaitable[Response]]) -> Response:
+        """The route's response, its outcome counted for the tenant (a stream's when it ends)."""
+        try:
+            response = await handle()
+        except ApiError as e:
+            tenant_metrics.outcome(tenant.name, outcome_of_status(e.status))
+            raise
+        except asyncio.CancelledError:
+            tenant_metrics.outcome(tenant.name, "disconnected")
+            raise
+        except Exception:
+            tenant_metrics.outcome(tenant.name, "error")
+            raise
+        if not isinstance(response, StreamingResponse):
+            tenant_metrics.outcome(tenant.name, outcome_of_status(response.status_code))
+        return response
 
-    @app.post("/v1/completions", dependencies=guarded)
-    async def completions(raw: Request) -> Response:
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request, tenant: Tenant = Depends(guard)) -> Response:
         arrival = time.monotonic()
-        req = await parse_body(raw, CompletionRequest)
-        return await serving.completion(req, raw, arrival)
+
+        async def handle() -> Response:
+            req = await parse_body(raw, ChatCompletionRequest)
+            return await serving.chat(req, raw, arrival, tenant)
+
+        return await counted(tenant, handle)
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request, tenant: Tenant = Depends(guard)) -> Response:
+        arrival = time.monotonic()
+
+        async def handle() -> Response:
+            req = await parse_body(raw, CompletionRequest)
+            return await serving.completion(req, raw, arrival, tenant)
+
+        return await counted(tenant, handle)
 
     @app.post("/tokenize", dependencies=guarded)
     async def tokenize(raw: Request) -> JSONResponse:

@@ -2,6 +2,7 @@
 
     inferlab serve                      # the default model on http://127.0.0.1:8000
     inferlab serve --model m.gguf --served-model-name mymodel --port 8080 --api-key secret
+    inferlab serve --api-keys keys.json   # tenants: keys, limits, prefix-cache isolation (server/tenants.py)
 
 The server listens at once and /health answers 503 while the model loads. SIGTERM (or Ctrl-C)
 stops accepting connections, lets in-flight requests finish for up to --shutdown-timeout
@@ -19,6 +20,7 @@ import sys
 import threading
 
 from inferlab.config import KV_CACHE_DTYPES, WEIGHT_DTYPES
+from inferlab.server.limits import HttpLimits
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -60,6 +62,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto", choices=["auto", "gguf", "hf", "dummy"])
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on inference routes (or set INFERLAB_API_KEY)")
+    p.add_argument("--api-keys", metavar="FILE", default=None,
+                   help='tenants and their keys and limits, JSON: {"tenants": [{"name": "team-a", "keys": ["..."], '
+                        '"max_concurrent": 4, "requests_per_minute": 600, "tokens_per_minute": 200000, '
+                        '"max_tokens": 2048, "max_prompt_tokens": 8192, "cache_group": "..."}]} (limits optional; '
+                        'beyond one: 429 + Retry-After); each tenant gets its own prefix cache unless they share a cache_group')
+    p.add_argument("--max-request-body-bytes", type=parse_size, default=HttpLimits.max_request_body_bytes,
+                   help="larger request bodies get 413 (default 8MiB)")
+    p.add_argument("--header-timeout", type=float, default=HttpLimits.header_timeout,
+                   help="seconds a client gets to send a request's headers before the connection is closed (default 10)")
+    p.add_argument("--body-timeout", type=float, default=HttpLimits.body_timeout,
+                   help="seconds a client gets to send a request's body: 408 after (default 60)")
+    p.add_argument("--send-timeout", type=float, default=HttpLimits.send_timeout,
+                   help="seconds a client that stops reading may block a response before it is closed "
+                        "and its request aborted (default 30)")
+    p.add_argument("--keep-alive-timeout", type=float, default=HttpLimits.keep_alive_timeout,
+                   help="seconds an idle keep-alive connection stays open (default 5)")
     p.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
     p.add_argument("--max-queue-len", type=int, default=None,
                    help="requests allowed to wait for a slot; beyond it: 503 + Retry-After (default: unbounded)")
@@ -103,9 +121,26 @@ def run(args: argparse.Namespace) -> int:
     if args.request_timeout is not None and args.request_timeout <= 0:
         raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
     served = tuple(args.served_model_name or ())
+    api_key = args.api_key or os.environ.get("INFERLAB_API_KEY") or None
+    tenants = None
+    if args.api_keys is not None:
+        if api_key is not None:
+            raise ValueError("--api-keys and --api-key (or INFERLAB_API_KEY) both give keys: use one")
+        from inferlab.server.tenants import load_tenants
+
+        tenants = load_tenants(args.api_keys)  # a bad file: one line naming the line, exit 2
+    limits = HttpLimits(
+        max_request_body_bytes=args.max_request_body_bytes,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        send_timeout=args.send_timeout,
+        keep_alive_timeout=args.keep_alive_timeout,
+    )
     settings = ServerSettings(
         served_model_names=served,
-        api_key=args.api_key or os.environ.get("INFERLAB_API_KEY") or None,
+        api_key=api_key,
+        tenants=tenants,
+        limits=limits,
         metrics_public=args.metrics_public,
         log_prompts=args.log_prompts,
         max_queue_len=args.max_queue_len,
@@ -130,6 +165,8 @@ def run_server(app, host: str, port: int, *, shutdown_timeout: float = 30.0, log
     """
     import uvicorn
 
+    from inferlab.server.limits import uvicorn_options
+
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -139,6 +176,7 @@ def run_server(app, host: str, port: int, *, shutdown_timeout: float = 30.0, log
             access_log=False,  # the server logs one line per request itself
             timeout_graceful_shutdown=shutdown_timeout,
             lifespan="on",
+            **uvicorn_options(app.state.settings.limits),
         )
     )
     llm = app.state.llm

@@ -18,11 +18,12 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from inferlab.engine.outputs import SchedulerStats
 from inferlab.engine.request import RequestOutput
+from inferlab.server.quotas import LIMITS
 
 # vLLM exposes no `*_created` series; dashboards and routers that read ours expect the same set.
 disable_created_metrics()
 
-__all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics", "build_1_2_5_buckets"]
+__all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics", "TenantMetrics", "build_1_2_5_buckets", "outcome_of_status"]
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]  # fmt: skip
@@ -229,3 +230,62 @@ def _request_finish_reason(out: RequestOutput) -> str:
     if "length" in reasons:
         return "length"
     return reasons[0] if reasons[0] in FINISH_REASONS else "stop"
+
+
+TENANT_OUTCOMES = ("ok", "rate_limited", "rejected", "error", "disconnected")
+
+
+class TenantMetrics:
+    """Per-tenant series in the app's registry, labelled only with the tenants of the keys file
+    (created up front: no label value ever comes from a request, so cardinality is bounded).
+
+    Called on the event loop (admission, response ends), not the engine thread.
+    """
+
+    def __init__(self, registry: CollectorRegistry, tenant_names: tuple[str, ...]):
+        requests = Counter(
+            "inferlab:tenant_requests", "Generation requests by tenant and outcome.", ["tenant", "outcome"], registry=registry
+        )
+        prompt = Counter("inferlab:tenant_prompt_tokens", "Prompt tokens processed, by tenant.", ["tenant"], registry=registry)
+        generation = Counter(
+            "inferlab:tenant_generation_tokens", "Generated tokens, by tenant.", ["tenant"], registry=registry
+        )
+        limited = Counter(
+            "inferlab:tenant_rate_limited",
+            "Requests refused with 429, by tenant and the limit they hit.",
+            ["tenant", "limit"],
+            registry=registry,
+        )
+        in_flight = Gauge("inferlab:tenant_requests_in_flight", "Admitted requests not yet ended, by tenant.", ["tenant"],
+                          registry=registry)  # fmt: skip
+        self._requests = {(t, o): requests.labels(tenant=t, outcome=o) for t in tenant_names for o in TENANT_OUTCOMES}
+        self._prompt = {t: prompt.labels(tenant=t) for t in tenant_names}
+        self._generation = {t: generation.labels(tenant=t) for t in tenant_names}
+        self._limited = {(t, k): limited.labels(tenant=t, limit=k) for t in tenant_names for k in LIMITS}
+        self._in_flight = {t: in_flight.labels(tenant=t) for t in tenant_names}
+
+    def outcome(self, tenant: str, outcome: str) -> None:
+        self._requests[(tenant, outcome)].inc()
+
+    def tokens(self, tenant: str, prompt_tokens: int, generation_tokens: int) -> None:
+        if prompt_tokens:
+            self._prompt[tenant].inc(prompt_tokens)
+        if generation_tokens:
+            self._generation[tenant].inc(generation_tokens)
+
+    def rate_limited(self, tenant: str, limit: str) -> None:
+        self._limited[(tenant, limit)].inc()
+
+    def in_flight(self, tenant: str, value: int) -> None:
+        self._in_flight[tenant].set(value)
+
+
+def outcome_of_status(status: int) -> str:
+    """The outcome label of a request that ended with this HTTP status."""
+    if status < 400:
+        return "ok"
+    if status == 429:
+        return "rate_limited"
+    if status == 499:
+        return "disconnected"
+    return "rejected" if status < 500 else "error"

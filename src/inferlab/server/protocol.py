@@ -20,7 +20,8 @@ from inferlab.engine.request import SamplingParams
 
 
 class ApiError(Exception):
-    """An error answered as `{"error": {"message", "type", "param", "code", ...extra}}`."""
+    """An error answered as `{"error": {"message", "type", "param", "code", ...extra}}`; `code`
+    is the HTTP status unless given (429s carry OpenAI's "rate_limit_exceeded")."""
 
     def __init__(
         self,
@@ -29,10 +30,12 @@ class ApiError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         *,
+        code: str | int | None = None,
         headers: dict[str, str] | None = None,
         extra: dict[str, Any] | None = None,
     ):
         super().__init__(message)
+        self.code = status if code is None else code  # the HTTP status, or OpenAI's string code
         self.status = status
         self.message = message
         self.type = type
@@ -41,7 +44,7 @@ class ApiError(Exception):
         self.extra = extra or {}
 
     def body(self) -> dict[str, Any]:
-        err: dict[str, Any] = {"message": self.message, "type": self.type, "param": self.param, "code": self.status}
+        err: dict[str, Any] = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
         err.update(self.extra)
         return {"error": err}
 

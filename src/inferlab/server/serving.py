@@ -3,6 +3,12 @@
 Prompts are tokenized here, on the event loop, before the engine sees them: the engine thread
 then spends its time on forward passes, and the arrival time stamped before tokenizing makes
 TTFT include tokenization (as clients measure it).
+
+Tenants: every generation request carries the `Tenant` its key belongs to. Its caps on prompt
+and completion length are checked here once the prompt is tokenized (400 naming the field, as
+OpenAI answers a max_tokens beyond a model's limit: not retryable, where a 429 would make SDKs
+retry in vain); then `TenantGate` admits it or answers 429; the engine gets the tenant's cache
+salt; when the response ends, the lease is released with the tokens really used.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from inferlab.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestStre
 from inferlab.engine.errors import EngineDeadError
 from inferlab.engine.request import RequestOutput, SamplingParams
 from inferlab.server.admission import effective_timeout, to_api_error
+from inferlab.server.metrics import TenantMetrics
 from inferlab.server.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -31,8 +38,10 @@ from inferlab.server.protocol import (
     TokenizeRequest,
     bad_request,
 )
+from inferlab.server.quotas import Lease, TenantGate
 from inferlab.server.render import TokenText
 from inferlab.server.streaming import ResponseContext, merge_streams, response_dict, sse_stream
+from inferlab.server.tenants import Tenant
 
 logger = logging.getLogger("inferlab.server")
 
@@ -85,8 +94,12 @@ class OpenAIServing:
         served_model_names: tuple[str, ...] = (),
         log_prompts: bool = False,
         request_timeout: float | None = None,
+        gate: TenantGate | None = None,
+        tenant_metrics: TenantMetrics | None = None,
     ):
         self.llm = llm
+        self.gate = gate
+        self.tenant_metrics = tenant_metrics
         self.served_model_names = served_model_names
         self.log_prompts = log_prompts
         self.request_timeout = request_timeout
@@ -198,7 +211,7 @@ class OpenAIServing:
             raise bad_request(str(e), param="messages") from None
 
     # ------------------------------------------------------------------ generation routes
-    async def chat(self, req: ChatCompletionRequest, raw: Request, arrival: float) -> Response:
+    async def chat(self, req: ChatCompletionRequest, raw: Request, arrival: float, tenant: Tenant) -> Response:
         engine = self.engine
         model = self.check_model(req.model)
         prompt_ids = self._chat_prompt(engine.tokenizer, req.messages, req.add_generation_prompt)
@@ -215,9 +228,9 @@ class OpenAIServing:
             token_text=self.token_text() if params.logprobs is not None else None,
         )
         log_text = req.messages[-1].plain()["content"] if self.log_prompts else None
-        return await self._serve(ctx, [prompt_ids], params, req, raw, arrival, "messages", log_text)
+        return await self._serve(ctx, [prompt_ids], params, req, raw, arrival, "messages", log_text, tenant)
 
-    async def completion(self, req: CompletionRequest, raw: Request, arrival: float) -> Response:
+    async def completion(self, req: CompletionRequest, raw: Request, arrival: float, tenant: Tenant) -> Response:
         engine = self.engine
         model = self.check_model(req.model)
         prompts: list[list[int]] = []
@@ -254,7 +267,7 @@ class OpenAIServing:
         log_text = None
         if self.log_prompts:
             log_text = req.prompt if isinstance(req.prompt, str) else str(req.prompt)[:2000]
-        return await self._serve(ctx, prompts, params, req, raw, arrival, "prompt", log_text)
+        return await self._serve(ctx, prompts, params, req, raw, arrival, "prompt", log_text, tenant)
 
     async def _serve(
         self,
@@ -266,9 +279,23 @@ class OpenAIServing:
         arrival: float,
         prompt_param: str,
         log_text: str | None,
+        tenant: Tenant,
     ) -> Response:
-        ctx.on_done = lambda status, finals: self._log(ctx, status, finals, arrival, log_text)
+        params = self._apply_tenant_caps(tenant, prompts, params, req, prompt_param)
+        estimate = sum(map(len, prompts)) + len(prompts) * params.n * (params.max_tokens or 0)
+        lease = self._admit(tenant, estimate, ctx, arrival, log_text)
+
+        ended = False
+
+        def done(status: str, finals: list[RequestOutput | None], outcome: str | None = None) -> None:
+            nonlocal ended
+            if not ended:
+                ended = True
+                self._end(ctx, tenant, lease, status, finals, arrival, log_text, outcome)
+
+        ctx.on_done = lambda status, finals: done(status, finals, _stream_outcome(status))
         timeout = effective_timeout(self.request_timeout, req.timeout)
+        salt = tenant.request_salt(req.cache_salt)
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
@@ -278,7 +305,7 @@ class OpenAIServing:
                     prompt,
                     dataclasses.replace(params) if i else params,
                     arrival_time=arrival,
-                    cache_salt=req.cache_salt,
+                    cache_salt=salt,
                     use_prefix_cache=req.cache_prompt,
                     timeout=timeout,
                 )
@@ -288,11 +315,18 @@ class OpenAIServing:
                 s.abort()
             if isinstance(e, Exception):
                 err = to_api_error(e, prompt_param)
-                self._log(ctx, f"rejected {err.status}: {err.message}", [], arrival, log_text)
+                done(f"rejected {err.status}: {err.message}", [])
                 raise err from None
+            done("cancelled", [])
             raise
         if req.stream:
-            return StreamingResponse(sse_stream(ctx, streams), media_type="text/event-stream", headers=SSE_HEADERS)
+
+            def never_streamed() -> None:  # the client left before the first chunk was asked for
+                for s in streams:
+                    s.abort()
+                done("disconnected", [], "disconnected")
+
+            return _Stream(sse_stream(ctx, streams), never_streamed)
         finals: list[RequestOutput | None] = [None] * len(streams)
         status = "disconnected"
         try:
@@ -309,7 +343,7 @@ class OpenAIServing:
         finally:
             for s in streams:
                 s.abort()
-            self._log(ctx, status, finals, arrival, log_text)
+            done(status, finals)
 
     async def _collect(
         self, ctx: ResponseContext, streams: list[RequestStream], raw: Request
@@ -339,9 +373,72 @@ class OpenAIServing:
         work.result()
         return finals, logprobs  # type: ignore[return-value]
 
+    def _apply_tenant_caps(
+        self,
+        tenant: Tenant,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        req: ChatCompletionRequest | CompletionRequest,
+        prompt_param: str,
+    ) -> SamplingParams:
+        """400 beyond the tenant's prompt or completion cap; its max_tokens when none is asked."""
+        lim = tenant.limits
+        if lim.max_prompt_tokens is not None:
+            longest = max(map(len, prompts))
+            if longest > lim.max_prompt_tokens:
+                raise bad_request(
+                    f"the prompt has {longest} tokens; this API key allows at most {lim.max_prompt_tokens}",
+                    param=prompt_param,
+                )
+        if lim.max_tokens is not None:
+            if params.max_tokens is None:
+                try:
+                    return dataclasses.replace(params, max_tokens=lim.max_tokens)
+                except ValueError as e:  # e.g. min_tokens above the tenant's cap
+                    raise bad_request(str(e), param=str(e).split(" ", 1)[0]) from None
+            if params.max_tokens > lim.max_tokens:
+                field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+                raise bad_request(
+                    f"{field} is too large: {params.max_tokens}; this API key allows at most {lim.max_tokens}",
+                    param=field,
+                )
+        return params
+
+    def _admit(self, tenant: Tenant, estimate: int, ctx: ResponseContext, arrival: float, log_text: str | None) -> Lease | None:
+        if self.gate is None:
+            return None
+        try:
+            return self.gate.admit(tenant, estimate)
+        except ApiError as err:
+            self._log(ctx, tenant, f"rejected {err.status}: {err.message}", [], arrival, log_text)
+            raise
+
+    def _end(
+        self,
+        ctx: ResponseContext,
+        tenant: Tenant,
+        lease: Lease | None,
+        status: str,
+        finals: list[RequestOutput | None],
+        arrival: float,
+        log_text: str | None,
+        outcome: str | None,
+    ) -> None:
+        """Once per admitted request: its log line, its tenant's tokens, its lease back; a
+        stream's outcome (a plain response's is counted by the route, from its status)."""
+        n_in, n_out = _token_counts(finals)
+        if lease is not None:
+            lease.release(n_in + n_out)
+        if self.tenant_metrics is not None:
+            self.tenant_metrics.tokens(tenant.name, n_in, n_out)
+            if outcome is not None:
+                self.tenant_metrics.outcome(tenant.name, outcome)
+        self._log(ctx, tenant, status, finals, arrival, log_text)
+
     def _log(
         self,
         ctx: ResponseContext,
+        tenant: Tenant,
         status: str,
         finals: list[RequestOutput | None],
         arrival: float,
@@ -357,9 +454,10 @@ class OpenAIServing:
         total_ms = (time.monotonic() - arrival) * 1000.0
         prompt = f" prompt={log_text!r}" if log_text is not None else ""
         logger.info(
-            "%s %s status=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d ttft_ms=%s total_ms=%.1f%s",
+            "%s %s tenant=%s status=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d ttft_ms=%s total_ms=%.1f%s",
             ctx.response_id,
             ctx.kind,
+            tenant.name,
             status,
             n_in,
             cached,
@@ -368,6 +466,38 @@ class OpenAIServing:
             total_ms,
             prompt,
         )
+
+
+class _Stream(StreamingResponse):
+    """An SSE response that always ends its generator: closed explicitly (not left to the garbage
+    collector) when sending fails or times out, and `on_exit` called if it never started (its
+    `finally`, which aborts the engine requests and releases the tenant's lease, never ran)."""
+
+    def __init__(self, body: Any, on_exit: Any):
+        super().__init__(body, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._on_exit = on_exit
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[union-attr]
+            self._on_exit()  # a no-op when the generator's own finally has ended the request
+
+
+def _token_counts(finals: list[RequestOutput | None]) -> tuple[int, int]:
+    """(prompt tokens, generated tokens) of the outputs that came back."""
+    done = [o for o in finals if o is not None]
+    return sum(len(o.prompt_token_ids) for o in done), sum(len(c.token_ids) for o in done for c in o.outputs)
+
+
+def _stream_outcome(status: str) -> str:
+    """The outcome label of a stream from its status word (see `sse_stream`)."""
+    if status == "ok":
+        return "ok"
+    if status == "disconnected":
+        return "disconnected"
+    return "error"
 
 
 class _ClientGone(Exception):
