@@ -47,6 +47,16 @@ def test_flags_build_the_engine_config():
     assert args.served_model_name == ["qwen3-0.6b"] and args.port == 8080
 
 
+def test_the_queue_is_bounded_by_default_and_can_be_lifted():
+    from inferlab.server.cli import QUEUE_PER_SEAT, queue_len
+
+    assert queue_len(None, 16) == QUEUE_PER_SEAT * 16 == 64
+    assert queue_len(8, 16) == 8
+    assert queue_len(0, 16) is None
+    with pytest.raises(ValueError, match="--max-queue-len must be >= 0"):
+        queue_len(-1, 16)
+
+
 def test_defaults():
     parser, _ = build_parser(["serve"])
     args = parser.parse_args(["serve"])

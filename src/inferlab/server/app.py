@@ -48,7 +48,7 @@ class ServerSettings:
     tenants: TenantTable | None = None  # --api-keys (exclusive with api_key); neither: open access
     metrics_public: bool = False  # /metrics without the API key
     log_prompts: bool = False
-    max_queue_len: int | None = None  # requests admitted but not yet running; None = unbounded
+    max_queue_len: int | None = None  # requests in flight beyond max_num_seqs; None = unbounded (the CLI bounds it)
     request_timeout: float | None = None  # seconds from arrival; None = no deadline
     shutdown_timeout: float = 30.0  # seconds to let in-flight requests finish
     stall_timeout: float = 300.0  # one engine call longer than this: /health says 503

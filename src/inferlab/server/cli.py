@@ -80,7 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds an idle keep-alive connection stays open (default 5)")
     p.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
     p.add_argument("--max-queue-len", type=int, default=None,
-                   help="requests allowed to wait for a slot; beyond it: 503 + Retry-After (default: unbounded)")
+                   help="requests allowed to wait beyond the --max-num-seqs running ones; beyond it: 503 + "
+                        f"Retry-After (default {QUEUE_PER_SEAT} x --max-num-seqs; 0: unbounded)")
     p.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a request may take from arrival before it is aborted (default: none)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -111,13 +112,26 @@ def _engine_config(args: argparse.Namespace):
     )
 
 
+# A public server's queue is bounded by default: requests that would wait longer than a few
+# rounds of the running batch are better refused at once (503 + Retry-After) than left to time
+# out, and an unbounded queue is memory that any client can make us spend.
+QUEUE_PER_SEAT = 4
+
+
+def queue_len(flag: int | None, max_num_seqs: int) -> int | None:
+    """--max-queue-len as AsyncLLM takes it: unset → QUEUE_PER_SEAT × max_num_seqs, 0 → None."""
+    if flag is None:
+        return QUEUE_PER_SEAT * max_num_seqs
+    if flag < 0:
+        raise ValueError(f"--max-queue-len must be >= 0 (0: unbounded), got {flag}")
+    return flag or None
+
+
 def run(args: argparse.Namespace) -> int:
     from inferlab.server.app import ServerSettings, build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = _engine_config(args)  # invalid values raise ValueError before anything starts
-    if args.max_queue_len is not None and args.max_queue_len < 1:
-        raise ValueError(f"--max-queue-len must be >= 1, got {args.max_queue_len}")
     if args.request_timeout is not None and args.request_timeout <= 0:
         raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
     served = tuple(args.served_model_name or ())
@@ -143,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         limits=limits,
         metrics_public=args.metrics_public,
         log_prompts=args.log_prompts,
-        max_queue_len=args.max_queue_len,
+        max_queue_len=queue_len(args.max_queue_len, config.scheduler.max_num_seqs),
         request_timeout=args.request_timeout,
         shutdown_timeout=args.shutdown_timeout,
     )
