@@ -159,6 +159,28 @@ def test_a_burst_before_the_first_step_is_admitted_up_to_seats_plus_queue():
         llm.shutdown(5)
 
 
+def test_a_reader_that_stops_reading_holds_one_merged_output():
+    # A client that stops reading must not grow memory one cumulative output per step.
+    llm, _ = make_llm()
+    try:
+
+        async def go():
+            stream = await llm.add_request("slow", "hi", SamplingParams(max_tokens=120, seed=1))
+            while llm.num_in_flight:  # the engine runs all 120 steps while nobody reads
+                assert len(stream._queue) <= 1
+                await asyncio.sleep(0.001)
+            assert len(stream._queue) == 1
+            outs = [o async for o in stream]
+            return outs
+
+        outs = run(go())
+        assert len(outs) == 1 and outs[0].finished
+        c = outs[0].outputs[0]
+        assert len(c.token_ids_delta) == 120 and c.text_delta == c.text
+    finally:
+        llm.shutdown(5)
+
+
 def test_engine_step_failure_fails_in_flight_and_keeps_serving():
     llm, holder = make_llm(step_delay=0.005)
     try:

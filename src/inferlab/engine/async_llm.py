@@ -13,8 +13,8 @@ thread of its own; the HTTP side (an asyncio loop) only ever talks to it through
 The loop drains the inbox between steps, so an abort lands before the next step; when there is
 nothing to do it sleeps on the Condition (no busy spin). Outputs of one step travel to the event
 loop in a single `call_soon_threadsafe` (one wake-up per step, not one per token), and a reader
-that falls behind gets its pending outputs merged into one (deltas concatenated), so a slow client
-never makes the engine wait. The engine does wait, up to HANDOFF_WAIT_S, for the event loop to
+that falls behind has its outputs merged into one as they arrive (`Mailbox`: deltas concatenated),
+so a slow client never makes the engine wait and a stopped one holds one output, not one per step. The engine does wait, up to HANDOFF_WAIT_S, for the event loop to
 take a step's outputs before it starts the next step, so that the HTTP work does not compete
 with the step for the cores.
 """
@@ -103,7 +103,7 @@ class _Tracked:
 
     request_id: str
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    queue: Mailbox
     prompt: Any
     params: SamplingParams
     kwargs: dict[str, Any]
@@ -143,6 +143,37 @@ def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
     return dataclasses.replace(new, outputs=merged)
 
 
+class Mailbox:
+    """One request's items on its event loop, where a lagging reader's outputs merge on arrival.
+
+    An output that arrives while an unfinished one is still unread is merged into it
+    (`merge_outputs`), so a client that stops reading holds one pending output however many
+    steps the engine runs, not one cumulative output per step. Event-loop thread only.
+    """
+
+    def __init__(self) -> None:
+        self._items: collections.deque[Any] = collections.deque()
+        self._ready = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, item: Any) -> None:
+        items = self._items
+        last = items[-1] if items else None
+        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput) and not last.finished:
+            items[-1] = merge_outputs(last, item)
+        else:
+            items.append(item)
+        self._ready.set()
+
+    async def get(self) -> Any:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
+
+
 class RequestStream:
     """The async iterator of one request's outputs; ends after the finished output.
 
@@ -150,34 +181,22 @@ class RequestStream:
     `EngineStepError`, `RequestAbortedError`, ...).
     """
 
-    def __init__(self, request_id: str, queue: asyncio.Queue, owner: AsyncLLM):
+    def __init__(self, request_id: str, queue: Mailbox, owner: AsyncLLM):
         self.request_id = request_id
         self._queue = queue
         self._owner = owner
-        self._pending_error: BaseException | None = None
         self.finished = False
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self._pending_error is not None:
-            err, self._pending_error = self._pending_error, None
-            self.finished = True
-            raise err
         if self.finished:
             raise StopAsyncIteration
-        q = self._queue
-        item = q.get_nowait() if not q.empty() else await q.get()
+        item = await self._queue.get()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
-        while not item.finished and not q.empty():
-            nxt = q.get_nowait()
-            if isinstance(nxt, BaseException):
-                self._pending_error = nxt
-                break
-            item = merge_outputs(item, nxt)
         if item.finished:
             self.finished = True
             if item.error:
@@ -200,11 +219,11 @@ class RequestStream:
 HANDOFF_WAIT_S = 0.01
 
 
-def _deliver(items: list[tuple[asyncio.Queue, Any]], taken: threading.Event | None = None) -> None:
+def _deliver(items: list[tuple[Mailbox, Any]], taken: threading.Event | None = None) -> None:
     """Runs on the event loop: hand one step's outputs to their readers; `taken` is set once the
     readers woken here have run (callbacks run in order, so theirs come first)."""
     for q, item in items:
-        q.put_nowait(item)
+        q.put(item)
     if taken is not None:
         asyncio.get_running_loop().call_soon(taken.set)
 
@@ -339,7 +358,7 @@ class AsyncLLM:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         timeout = self.request_timeout if timeout is None else timeout
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = Mailbox()
         kwargs: dict[str, Any] = {"arrival_time": arrival, "use_prefix_cache": use_prefix_cache}
         if cache_salt is not None:
             kwargs["cache_salt"] = cache_salt
