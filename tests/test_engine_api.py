@@ -154,3 +154,22 @@ def test_abort_frees_blocks_while_others_run(llm):
     assert finished["keep"].outputs[0].finish_reason == "length"
     assert len(finished["keep"].outputs[0].token_ids) == 30
     assert eng.get_stats().kv_cache_usage == 0.0
+
+
+def test_the_engine_warms_up_before_it_is_handed_out(tmp_path, monkeypatch):
+    """The first request must not pay for kernel builds or first-touch: one short request runs
+    inside the constructor, and leaves no trace (no cached prefix, no counted query)."""
+    from inferlab.config import CacheConfig, EngineConfig, LoadConfig
+    from inferlab.engine.llm_engine import LLMEngine
+
+    steps = []
+    real_step = LLMEngine.step
+    monkeypatch.setattr(LLMEngine, "step", lambda self: steps.append(1) or real_step(self))
+    path = make_tiny_hf_model(tmp_path, arch="llama")
+    engine = LLMEngine(EngineConfig(load=LoadConfig(model=str(path), dtype="float32"),
+                                    cache=CacheConfig(num_blocks_override=64)))  # fmt: skip
+    assert len(steps) >= 3  # a prefill and decode steps ran before the constructor returned
+    stats = engine.get_stats()
+    assert (stats.prefix_cache_queries, stats.kv_cache_usage, stats.num_running) == (0, 0.0, 0)
+    assert engine.scheduler.kv_cache_manager.block_pool.cached_blocks == {}
+    assert engine.output_processor.requests == {} and not engine.has_unfinished_requests()

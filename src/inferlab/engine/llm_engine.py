@@ -67,6 +67,23 @@ class LLMEngine:
         # Called after every forward pass with (SchedulerOutput, ModelRunnerOutput): profiling
         # and the planner's calibration record step shapes and times through it.
         self.step_observer: Callable[[SchedulerOutput, ModelRunnerOutput], None] | None = None
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Run one short request (a prefill, decode steps, the sampler) before anyone else can.
+
+        What a first request would otherwise pay (kernels built and loaded, oneDNN primitives
+        created, pages touched, ~18 s on a cold machine) is paid while the server still answers
+        /health with 503, so a ready engine's first request is as fast as its second. The
+        scheduler is then made anew: no cached prefix, no counted query is left from it.
+        """
+        vocab = self.model_config.vocab_size
+        prompt = [i % vocab for i in range(1, 1 + min(32, self.max_model_len - 4))]
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        self.add_request("inferlab-warm-up", prompt, params)
+        while self.has_unfinished_requests():
+            self.step()
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.num_blocks)
 
     @property
     def max_model_len(self) -> int:
