@@ -103,3 +103,27 @@ def test_sampler_draws_follow_the_temperature_scaled_softmax():
     out = Sampler(seed=3)(logits.expand(len(rows), -1).clone(), rows)
     freq = counts(torch.tensor(out.token_ids), 6).double() / len(rows)
     assert (freq - torch.softmax(logits / 0.7, dim=0)).abs().max() < 0.015
+
+
+def _row(prompt, output, **params):
+    from inferlab.engine.outputs import ScheduledRequest
+    from inferlab.engine.request import SamplingParams
+
+    return ScheduledRequest(request_id="r", token_ids=[], start_pos=0, block_ids=[], sample=True,
+                            sampling_params=SamplingParams(**params), prompt_token_ids=list(prompt),
+                            output_token_ids=list(output), eos_token_ids=())  # fmt: skip
+
+
+def test_apply_penalties_follows_the_definitions_by_hand():
+    from inferlab.engine.sampler import apply_penalties
+
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, 3.0]] * 3)
+    rows = [
+        _row([0, 1], [2], repetition_penalty=2.0),  # seen: 0, 1, 2 (prompt and output)
+        _row([0], [2, 2, 3], presence_penalty=0.5, frequency_penalty=0.25),  # output counts: 2:2, 3:1
+        _row([0], [2], temperature=1.0),  # no penalties: untouched
+    ]
+    out = apply_penalties(logits.clone(), rows)
+    assert out[0].tolist() == [1.0, -4.0, 0.5, 0.5, 3.0]  # positive / 2, negative * 2, unseen kept
+    assert out[1].tolist() == [2.0, -2.0, 1.0 - 0.5 - 2 * 0.25, 0.5 - 0.5 - 0.25, 3.0]
+    assert out[2].tolist() == logits[2].tolist()

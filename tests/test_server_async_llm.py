@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -200,12 +201,29 @@ def test_engine_step_failure_fails_in_flight_and_keeps_serving():
 
 
 def test_idle_loop_does_not_spin():
+    # Idle, the engine thread must block on its condition with no timeout (no polling), and
+    # take no step until something arrives.
     llm, holder = make_llm()
+    waits: list[float | None] = []
+    waiting = threading.Event()
+    real_wait = llm._cond.wait
+
+    def recording_wait(timeout=None):
+        waits.append(timeout)
+        waiting.set()
+        try:
+            return real_wait(timeout)
+        finally:
+            waiting.clear()
+
     try:
+        llm._cond.wait = recording_wait
         run(_one(llm))
-        steps = holder["engine"].num_steps
-        time.sleep(0.2)
-        assert holder["engine"].num_steps == steps  # no steps (and no busy loop) while idle
+        wait_until(lambda: waiting.is_set() and waits[-1] is None, what="the engine thread to block")
+        steps, calls = holder["engine"].num_steps, len(waits)
+        run(_one(llm))  # it wakes for work and blocks again
+        wait_until(lambda: waiting.is_set() and len(waits) > calls, what="the engine thread to block again")
+        assert holder["engine"].num_steps > steps and waits[-1] is None
     finally:
         llm.shutdown(5)
 
