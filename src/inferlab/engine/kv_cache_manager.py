@@ -58,9 +58,9 @@ class KVCacheManager:
       (or were left uncached because another block holds the same hash);
     - `request.block_hashes` covers every full block of `request.all_token_ids`;
     - a block entered into the prefix cache by the step being scheduled is "unwritten" until
-      `mark_written()` (its step ran): if the step fails (`discard_unwritten()`) or its request
-      is freed first, it leaves the cache, so no later prompt is served K/V that was never
-      computed.
+      `mark_written()` (its step ran): if its request is freed first (aborted, or requeued
+      after the step failed), it leaves the cache, so no later prompt is served K/V that was
+      never computed.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
@@ -185,23 +185,6 @@ class KVCacheManager:
     def mark_written(self) -> None:
         """The scheduled step ran: the K/V of every block cached for it is in place."""
         self._unwritten.clear()
-
-    def discard_unwritten(self) -> int:
-        """The scheduled step failed: take the blocks cached for it back out of the prefix cache.
-
-        Their requests keep the blocks (they are freed or recomputed by the caller), but a block
-        counts as cached for its request only up to the first one taken out, so a rerun caches
-        it again once written. Returns how many blocks left the cache.
-        """
-        n = 0
-        for rid, entries in self._unwritten.items():
-            for i, block in entries:
-                self.block_pool.uncache(block)
-                n += 1
-            if rid in self._num_cached_blocks:
-                self._num_cached_blocks[rid] = min(self._num_cached_blocks[rid], entries[0][0])
-        self._unwritten.clear()
-        return n
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table as ids: the same list object every call (appended in place)."""
