@@ -27,7 +27,7 @@ def prompt_of(n: int, seed: int, vocab: int) -> list[int]:
 def decode_tps(llm: LLM, vocab: int, seed: int) -> float:
     out = llm.generate(prompt_of(128, seed, vocab), SamplingParams(temperature=0, max_tokens=128, ignore_eos=True), use_prefix_cache=False)[0]
     m = out.metrics
-    return (len(out.outputs[0].token_ids) - 1) / ((m.last_token_time - m.first_token_time))
+    return (len(out.outputs[0].token_ids) - 1) / (m.last_token_time - m.first_token_time)
 
 
 def prefill_tps(llm: LLM, vocab: int, seed: int) -> float:

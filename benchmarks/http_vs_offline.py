@@ -21,8 +21,8 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile

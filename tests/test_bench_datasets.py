@@ -6,7 +6,7 @@ import json
 from collections import Counter
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers, processors, decoders, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from inferlab.bench.datasets import WORDS, DatasetSpec, length_range, load_dataset
 from inferlab.bench.tokens import HFTokenizer, load_tokenizer

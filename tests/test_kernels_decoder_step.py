@@ -82,7 +82,7 @@ def test_decode_step_refuses_bad_inputs_with_a_clear_error(models):
         "x dtype": ({"x": torch.randn(2, good["x"].shape[1], dtype=torch.float64)}, "float32"),
         "table dtype": ({"block_tables": torch.tensor([[0], [1]])}, "int32"),
     }
-    for name, (change, message) in bad.items():
+    for change, message in bad.values():
         args = {k: v.clone() for k, v in good.items()} | change
         with pytest.raises((ValueError, RuntimeError), match=message):
             step.forward(**args)

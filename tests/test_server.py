@@ -63,7 +63,7 @@ def test_chat_completion(client):
     choice = r.choices[0]
     assert choice.message.role == "assistant" and len(choice.message.content) == 7
     assert choice.finish_reason == "length"
-    prompt_len = len("<user>Why might a parcel arrive late?\n<assistant>".encode())
+    prompt_len = len(b"<user>Why might a parcel arrive late?\n<assistant>")
     assert r.usage.prompt_tokens == prompt_len and r.usage.completion_tokens == 7
     assert r.usage.total_tokens == prompt_len + 7
     assert r.usage.prompt_tokens_details.cached_tokens == 0

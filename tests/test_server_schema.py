@@ -46,7 +46,8 @@ def test_no_5xx_and_every_4xx_has_an_error_body(api_schema):
         @given(case=op.as_strategy())
         def run(case):
             response = case.call(timeout=30)
-            statuses.setdefault(f"{op.method.upper()} {op.path}", set()).add(response.status_code)
+            name = f"{case.operation.method.upper()} {case.operation.path}"
+            statuses.setdefault(name, set()).add(response.status_code)
             case.validate_response(response, checks=[not_a_server_error, error_body])
 
         run()

@@ -20,7 +20,15 @@ from typing import Any
 from inferlab.bench.arrivals import LoadSpec
 from inferlab.bench.client import EndpointConfig, ServerInfo, fetch_server_info, normalize_base_url
 from inferlab.bench.datasets import DATASETS, DEFAULT_OUTPUT_LEN, Dataset, DatasetSpec, load_dataset, summarize_lengths
-from inferlab.bench.metrics import LATENCY_METRICS, SLO, RunSummary, parse_metric_names, parse_percentiles, parse_slo, summarize
+from inferlab.bench.metrics import (
+    LATENCY_METRICS,
+    SLO,
+    RunSummary,
+    parse_metric_names,
+    parse_percentiles,
+    parse_slo,
+    summarize,
+)
 from inferlab.bench.progress import LiveProgress
 from inferlab.bench.report import ReportContext, RunReport, build_report, print_terminal, render_markdown, write_json
 from inferlab.bench.runner import RunResult, fill_output_tokens, run_load, warm_up

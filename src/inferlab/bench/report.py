@@ -117,7 +117,7 @@ def build_report(ctx: ReportContext, runs: Sequence[RunReport], sweep: dict[str,
     return {
         "schema": SCHEMA,
         "label": ctx.label,
-        "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "command_line": ctx.command_line,
         "config": ctx.config,
         "server": ctx.server,

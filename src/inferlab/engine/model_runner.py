@@ -17,9 +17,9 @@ from inferlab.engine.outputs import ModelRunnerOutput, ScheduledRequest, Schedul
 from inferlab.engine.request import Logprob, TokenLogprobs
 from inferlab.engine.sampler import Sampler
 from inferlab.models.attention import (
+    TILED_FRESH_MAX,
     AttentionMetadata,
     BatchGroup,
-    TILED_FRESH_MAX,
     ContinuingChunk,
     FreshRun,
     PrefillBatch,

@@ -32,6 +32,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from inferlab.config import CacheConfig, SchedulerConfig
+from inferlab.engine.block_pool import KVBlock
 from inferlab.engine.kv_cache_manager import KVCacheManager
 from inferlab.engine.outputs import (
     EngineCoreOutput,
@@ -195,7 +196,8 @@ class Scheduler:
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[0]
-                hits, num_hit_tokens = [], 0
+                hits: list[KVBlock] = []
+                num_hit_tokens = 0
                 if request.num_computed_tokens == 0:
                     hits, num_hit_tokens = kv.get_computed_blocks(request)
                 num_computed = request.num_computed_tokens + num_hit_tokens

@@ -202,9 +202,9 @@ def padded_slots_and_mask(
 
 def _gather_context(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """[kvH, S, D] cache, [B, L] slots -> [B, kvH, L, D] (a strided view of one gathered copy)."""
-    b, l = slots.shape
+    b, length = slots.shape
     g = cache.index_select(1, slots.reshape(-1))  # [kvH, B*L, D]
-    return g.view(cache.shape[0], b, l, cache.shape[2]).transpose(0, 1)
+    return g.view(cache.shape[0], b, length, cache.shape[2]).transpose(0, 1)
 
 
 def decode_attention_sdpa(

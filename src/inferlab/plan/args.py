@@ -16,7 +16,6 @@ from inferlab.plan.hardware import (
 )
 from inferlab.plan.model_spec import ModelSpec, builtin_model_names, load_model_spec
 from inferlab.plan.planner import PlanInputs, Workload
-from inferlab.plan.precision import parse_precision
 
 DEFAULT_INPUT_LEN = 1024
 DEFAULT_OUTPUT_LEN = 256

@@ -52,14 +52,14 @@ def measure_cpu(threads: int | None = None, array_mib: int = 512, repeats: int =
     n = array_mib * (1 << 20) // 4
     if torch is not None:
         x = torch.ones(n, dtype=torch.float32)
-        t = _best_time(lambda: x.sum(), repeats)
+        t = _best_time(lambda: x.sum(), repeats)  # noqa: F821 - called before x is deleted
         notes.append(f"bandwidth: torch.sum over a {array_mib} MiB float32 tensor, {used_threads} threads, "
                      f"best of {repeats}")
     else:
         import numpy as np
 
         x = np.ones(n, dtype=np.float32)
-        t = _best_time(lambda: x.sum(), repeats)
+        t = _best_time(lambda: x.sum(), repeats)  # noqa: F821 - called before x is deleted
         notes.append(f"bandwidth: numpy sum over a {array_mib} MiB float32 array, best of {repeats}")
     bandwidth = n * 4 / t
     del x

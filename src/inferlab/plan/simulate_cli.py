@@ -28,8 +28,14 @@ from inferlab.bench.metrics import (
 from inferlab.bench.report import print_terminal, write_json
 from inferlab.config import CacheConfig, SchedulerConfig
 from inferlab.plan import calibrate_cli
-from inferlab.plan.args import DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN, add_common_arguments, plan_inputs
-from inferlab.plan.args import resolve_hardware, resolve_model
+from inferlab.plan.args import (
+    DEFAULT_INPUT_LEN,
+    DEFAULT_OUTPUT_LEN,
+    add_common_arguments,
+    plan_inputs,
+    resolve_hardware,
+    resolve_model,
+)
 from inferlab.plan.cost_model import (
     ConstantCost,
     RooflineCost,

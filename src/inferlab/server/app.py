@@ -31,7 +31,13 @@ from inferlab.server.auth import ApiKeyGuard
 from inferlab.server.limits import HttpLimits, LimitsMiddleware
 from inferlab.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics, TenantMetrics, outcome_of_status
 from inferlab.server.openapi import describe_bodies
-from inferlab.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from inferlab.server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from inferlab.server.quotas import TenantGate
 from inferlab.server.serving import OpenAIServing, parse_body, validation_error
 from inferlab.server.tenants import Tenant, TenantTable
