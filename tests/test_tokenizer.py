@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 import inferlab.tokenizer as tokmod
-from inferlab.tokenizer import DetokenizerUpdate, IncrementalDetokenizer, Tokenizer
+from inferlab.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
+from inferlab.tokenizer import Tokenizer
 
 PARCEL = "Why is my parcel late? It was due on Monday."
 PARCEL_PIECES = ["Why", " is", " my", " parcel", " late", "?", " It", " was", " due", " on", " Monday", "."]
@@ -404,7 +405,9 @@ def test_held_stop_prefix_is_flushed_by_finalize(tok):
 
 
 def test_partial_stop_suffix_len():
-    f = tokmod._partial_stop_suffix_len
+    from inferlab.engine import detokenizer
+
+    f = detokenizer._partial_stop_suffix_len
     assert f("abc", ["cde"]) == 1
     assert f("abcd", ["bcdx", "cdxy"]) == 3
     assert f("abc", ["xyz"]) == 0

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from inferlab.config import EngineConfig
+from inferlab.engine.detokenizer import IncrementalDetokenizer
 from inferlab.engine.errors import ContextLengthError
 from inferlab.engine.model_runner import ModelRunner
 from inferlab.engine.output_processor import OutputProcessor
@@ -22,7 +23,7 @@ from inferlab.engine.request import Request, RequestOutput, RequestStatus, Sampl
 from inferlab.engine.scheduler import Scheduler
 from inferlab.models.loader import load_model
 from inferlab.models.registry import resolve_model
-from inferlab.tokenizer import IncrementalDetokenizer, Tokenizer
+from inferlab.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
