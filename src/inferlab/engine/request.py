@@ -126,7 +126,7 @@ class Request:
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = -1  # prefix-cache hit at the first schedule; -1 = not scheduled yet
+    num_cached_tokens: int | None = None  # prefix-cache hit at the first schedule; None until then
     status: RequestStatus = RequestStatus.WAITING
     # Chained hashes of the full blocks of all_token_ids, filled by the KV cache manager.
     block_hashes: list[int] = field(default_factory=list)

@@ -212,7 +212,7 @@ class Scheduler:
                 request.num_computed_tokens = num_computed
                 if request.first_scheduled_time is None:
                     request.first_scheduled_time = now
-                if request.num_cached_tokens < 0:
+                if request.num_cached_tokens is None:
                     request.num_cached_tokens = num_hit_tokens
                 chosen.append((request, num_new))
                 budget -= num_new
@@ -282,7 +282,7 @@ class Scheduler:
                     new_logprobs=[token_logprobs] if token_logprobs is not None else None,
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    num_cached_tokens=request.num_cached_tokens or 0,
                     first_scheduled_time=request.first_scheduled_time,
                     first_token_time=request.first_token_time,
                     last_token_time=request.last_token_time,
