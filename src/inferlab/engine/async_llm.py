@@ -112,6 +112,13 @@ class _Tracked:
     added: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class _Abort:
+    """The inbox's other message (the first is a `_Tracked` request to add)."""
+
+    request_id: str
+
+
 def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
     """One output equal to receiving `old` then `new`: `new`'s cumulative fields, both deltas.
 
@@ -266,7 +273,7 @@ class AsyncLLM:
         self.load_error: BaseException | None = None
         self.dead_error: BaseException | None = None
         self._cond = threading.Condition()
-        self._inbox: collections.deque[tuple[str, Any]] = collections.deque()
+        self._inbox: collections.deque[_Tracked | _Abort] = collections.deque()
         self._requests: dict[str, _Tracked] = {}  # engine thread only
         self._deadlines: list[tuple[float, int, str]] = []  # engine thread only (heap)
         self._seq = itertools.count()
@@ -380,7 +387,7 @@ class AsyncLLM:
                 if waiting >= self.max_queue_len:
                     raise QueueFullError(waiting, self.max_queue_len)
             self._num_in_flight += 1
-            self._inbox.append(("add", tracked))
+            self._inbox.append(tracked)
             self._cond.notify()
         try:
             first = await queue.get()
@@ -405,7 +412,7 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe); the engine drops it before its next step."""
         with self._cond:
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(_Abort(request_id))
             self._cond.notify()
 
     # ---------------------------------------------------------------- engine thread
@@ -462,12 +469,12 @@ class AsyncLLM:
             if deliveries:  # before the next step, let the event loop take them (HANDOFF_WAIT_S)
                 self._flush(deliveries, wait=engine.has_unfinished_requests())
 
-    def _handle_inbox(self, items: list[tuple[str, Any]], deliveries: dict) -> None:
+    def _handle_inbox(self, items: list[_Tracked | _Abort], deliveries: dict) -> None:
         engine = self.engine
         to_abort: list[str] = []
-        for kind, payload in items:
-            if kind == "add":
-                t: _Tracked = payload
+        for item in items:
+            if isinstance(item, _Tracked):
+                t = item
                 if t.request_id in self._requests:
                     error = ValueError(f"request id {t.request_id!r} is already in flight")
                     self._finish(t, error, deliveries)
@@ -486,9 +493,10 @@ class AsyncLLM:
                     heapq.heappush(self._deadlines, (t.deadline, next(self._seq), t.request_id))
                 deliveries.setdefault(t.loop, []).append((t.queue, _ACCEPTED))
             else:
-                t = self._requests.pop(payload, None)
-                if t is None:
+                gone = self._requests.pop(item.request_id, None)
+                if gone is None:
                     continue
+                t = gone
                 to_abort.append(t.request_id)
                 self._finish(t, RequestAbortedError(f"request {t.request_id} was aborted"), deliveries)
                 self._dropped(t.request_id, "abort")
@@ -603,7 +611,7 @@ class AsyncLLM:
         """The loop is over: end every request still in flight or in the inbox."""
         deliveries: dict = {}
         with self._cond:
-            pending = [p for kind, p in self._inbox if kind == "add"]
+            pending = [t for t in self._inbox if isinstance(t, _Tracked)]
             self._inbox.clear()
         for t in list(self._requests.values()) + pending:
             self._finish(t, error, deliveries)
