@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import time
 from pathlib import Path
 
 import httpx
+from harness import free_port
 
 TOPICS = ["a lighthouse", "a lost key", "the tide", "a train at night", "an old map", "a small robot",
           "a garden in winter", "a letter never sent"]  # fmt: skip
@@ -64,12 +64,6 @@ def _load() -> str:
     return f"{os.getloadavg()[0]:.2f}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _one_stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> int:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
@@ -100,7 +94,7 @@ class Http:
     """`inferlab serve` in a subprocess, started once; `run()` times N concurrent streams."""
 
     def __init__(self, model: str | None, prompts: list[str], max_tokens: int, args) -> None:
-        port = _free_port()
+        port = free_port()
         cmd = [sys.executable, "-m", "inferlab.cli", "serve", "--port", str(port), "--dtype", args.dtype,
                "--max-num-seqs", str(max(len(prompts), 1)), "--max-model-len", str(args.max_model_len),
                "--log-level", "warning", "--no-prefix-caching"]  # fmt: skip
