@@ -127,3 +127,16 @@ def step(scheduler: Scheduler, tokens: int | Mapping[str, int] = 7):
     core_outputs = scheduler.update_from_output(out, make_runner_output(out, tokens))
     scheduler.kv_cache_manager.block_pool.check_integrity()
     return out, core_outputs
+
+
+def shared_prefix_requests(rng, n: int, prefix_len: int, max_tail: int, max_tokens: int) -> list[Request]:
+    """`n` requests whose prompts start with a random cut of one of three random bases (so
+    prefixes are shared at every length) plus a random tail; 1..max_tokens-1 tokens out each."""
+    bases = [[rng.randrange(10, 500) for _ in range(prefix_len)] for _ in range(3)]
+    reqs = []
+    for i in range(n):
+        base = bases[rng.randrange(3)]
+        prompt = base[: rng.randrange(1, prefix_len)] + [rng.randrange(10, 500) for _ in range(rng.randrange(0, max_tail))]
+        reqs.append(make_request(str(i), prompt or [10], max_tokens=rng.randrange(1, max_tokens)))
+    return reqs
+

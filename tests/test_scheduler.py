@@ -15,6 +15,7 @@ from engine_factories import (
     make_runner_output,
     make_scheduler,
     scheduled_tokens,
+    shared_prefix_requests,
     step,
 )
 
@@ -506,12 +507,7 @@ def test_random_workload_keeps_invariants_and_kv_contents_right():
     sched = make_scheduler(
         max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, block_size=b, num_blocks=16
     )
-    bases = [[rng.randrange(10, 500) for _ in range(24)] for _ in range(3)]
-    reqs = []
-    for i in range(24):
-        base = bases[rng.randrange(3)]
-        prompt = base[: rng.randrange(1, 24)] + [rng.randrange(10, 500) for _ in range(rng.randrange(0, 6))]
-        reqs.append(make_request(str(i), prompt or [10], max_tokens=rng.randrange(1, 12)))
+    reqs = shared_prefix_requests(rng, 24, prefix_len=24, max_tail=6, max_tokens=12)
     kv_store: dict[int, int] = {}
     pending = list(reqs)
     for _ in range(2000):

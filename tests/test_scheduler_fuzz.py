@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 
-from engine_factories import make_request, make_runner_output, make_scheduler
+from engine_factories import make_runner_output, make_scheduler, shared_prefix_requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -48,12 +48,7 @@ def test_random_schedules_with_failures_and_aborts(seed, fail_p, abort_p, num_bl
     sched = make_scheduler(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=32, block_size=B,
                            num_blocks=num_blocks, enable_prefix_caching=caching)  # fmt: skip
     pool = sched.kv_cache_manager.block_pool
-    bases = [[rng.randrange(10, 500) for _ in range(20)] for _ in range(3)]
-    reqs = []
-    for i in range(16):
-        base = bases[rng.randrange(3)]
-        prompt = base[: rng.randrange(1, 20)] + [rng.randrange(10, 500) for _ in range(rng.randrange(0, 5))]
-        reqs.append(make_request(str(i), prompt or [10], max_tokens=rng.randrange(1, 8)))
+    reqs = shared_prefix_requests(rng, 16, prefix_len=20, max_tail=5, max_tokens=8)
     by_id = {r.request_id: r for r in reqs}
     kv_store: dict[int, int] = {}
     pending = list(reqs)
