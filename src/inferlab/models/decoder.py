@@ -128,7 +128,7 @@ class DecoderModel:
         if isinstance(e, DenseLinear):
             how = "F.linear"
         elif e.use_kernels and self.dtype == torch.float32 and e.weight.device.type == "cpu":
-            how = "our AVX2 kernels"
+            how = f"our {kernels_build.kernel_info().variant} kernels"
         else:
             why = (kernels_build.unavailable_reason() or "kernels off") if not e.use_kernels else f"{cd} activations"
             how = f"plain torch, dequantized per call: {why}"
