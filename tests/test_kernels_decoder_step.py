@@ -53,7 +53,10 @@ def _generate(path, monkeypatch, use_step: bool, weight_dtype: str, n_prompts: i
 def test_decode_step_gives_the_per_operator_tokens_and_logprobs(models, monkeypatch, arch, weight_dtype, n_prompts):
     step = _generate(models[arch], monkeypatch, True, weight_dtype, n_prompts)
     ops = _generate(models[arch], monkeypatch, False, weight_dtype, n_prompts)
-    assert_same_greedy(step, ops, top_ids=True)
+    # bf16 products (AVX512-BF16) round x to bf16: a 1-ulp difference between the paths' norms
+    # can flip an element's rounding (2^-8 of it), so their logprobs agree to ~1e-3, not 1e-4.
+    tol = 5e-3 if weight_dtype == "bfloat16" and build.kernel_info().bf16_dot else 1e-4
+    assert_same_greedy(step, ops, tol=tol, top_ids=True)
 
 
 def _direct_step(models):

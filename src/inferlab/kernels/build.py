@@ -77,7 +77,7 @@ class KernelInfo:
 
     @property
     def bf16_dot(self) -> bool:
-        return False
+        return self.variant == "avx512"
 
     @property
     def int8_dot(self) -> str:
@@ -85,14 +85,14 @@ class KernelInfo:
 
     @property
     def auto_weight_dtype(self) -> str:
-        return "float16" if self.available else ""
+        return {"avx512": "bfloat16", "avx2": "float16"}.get(self.variant, "")
 
     def describe(self) -> str:
         """One line: the variant, its weight path, and why when it is not the CPU's best."""
         if not self.available:
             return f"inferlab CPU kernels: none ({self.reason}); plain torch operators"
         path = ("bf16 weights with vdpbf16ps in the decode step, oneDNN bf16 for prefill"
-                if self.bf16_dot else "16-bit / int8 weights converted in registers, float32 FMA")
+                if self.bf16_dot else "float16 / int8 weights converted in registers, float32 FMA")
         extra = f" ({self.reason})" if self.reason else ""
         return f"inferlab CPU kernels: {self.variant}{extra}: {path}; CPU has {' '.join(self.cpu_flags) or '?'}"
 

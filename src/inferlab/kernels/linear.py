@@ -3,7 +3,8 @@
 A decode step reads every weight once for a few rows of activations, so its time is the time
 to read the weights: `WeightOnlyLinear` keeps them in float16 / bfloat16 (half of float32's
 bytes) or int8 with one float32 scale per output row (a quarter), and multiplies in the
-activations' dtype (float32 on a CPU without fast 16-bit arithmetic). Our C++ kernels
+activations' dtype (float32 on a CPU without fast 16-bit arithmetic; on AVX512-BF16 the
+kernels multiply bf16 weights in bf16 with float32 sums, see `bf16_products`). Our C++ kernels
 (csrc/linear.cpp) convert the weights in registers, so they are read from memory once per call;
 without the kernels (`build.available()` False, or activations not float32 on the CPU) the same
 math runs in plain torch: dequantize, then `F.linear`.
@@ -103,6 +104,11 @@ class WeightOnlyLinear:
         # Kept in float32, as the kernels take it; the fallback casts it to the activations' dtype.
         self.bias = bias.float().contiguous() if bias is not None else None
         self.use_kernels = build.available() if use_kernels is None else use_kernels
+        # The AVX-512 variant multiplies bf16 weights in bf16 (vdpbf16ps; oneDNN from
+        # MKL_MIN_ROWS rows, its output rounded to bf16 too): x is rounded to bf16 first, the
+        # sums stay float32. Elsewhere the products are float32's.
+        self.bf16_products = (self.use_kernels and stored_dtype == torch.bfloat16
+                              and build.kernel_info().bf16_dot)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernels and x.dtype == torch.float32 and x.device.type == "cpu":
