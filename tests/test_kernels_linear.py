@@ -316,3 +316,38 @@ def test_bf16_products_are_bf16_x_times_bf16_w_in_float32(m):
     mag = x.double().abs() @ lin.dequantized(torch.float64).abs().T
     rel = float(((y.double() - exact).abs() / mag).max())
     assert 1e-6 < rel < 2.0**-7  # x really was rounded (a float32 product is ~1e-7), and no worse than that
+
+
+@pytest.mark.skipif(not build.kernel_info().int8_dot,
+                    reason=f"needs AVX512_VNNI (the avx512 kernel variant); this process has {build.kernel_info().variant}")
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 32, 127])
+@pytest.mark.parametrize("k", [45, 576, 600])
+def test_w8a8_is_int8_x_per_64_values_times_the_codes(m, k):
+    """vpdpbusd (weight_dtype w8a8): x quantized per group of 64 values (symmetric, round half
+    to even), the integer sums exact, then the scales; against that math in float64."""
+    n = 37
+    lin = WeightOnlyLinear(_weight(n, k), torch.int8, torch.randn(n), use_kernels=True, int8_activations=True)
+    assert lin.row_sums is not None and lin.row_sums.shape == (n, -(-k // 64))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m))
+    groups = -(-k // 64)
+    xg = F.pad(x, (0, groups * 64 - k)).view(m, groups, 64)
+    amax = xg.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))  # float32, as the kernel computes it
+    xq = (torch.round(xg * inv) * (amax / 127)).view(m, -1)[:, :k]
+    want = xq.double() @ lin.dequantized(torch.float64).T + lin.bias.double()
+    bound = 1e-5 * (xq.double().abs() @ lin.dequantized(torch.float64).abs().T) + 1e-6
+    y = lin(x)
+    assert bool(((y.double() - want).abs() <= bound).all())
+    plain = WeightOnlyLinear(_weight(n, k), torch.int8, torch.randn(n), use_kernels=True)  # weight-only int8
+    assert plain.row_sums is None
+    assert float((plain(x) - lin(x)).abs().max()) > 1e-6  # the two modes really differ
+
+
+def test_w8a8_needs_vnni_and_says_what_this_machine_has(monkeypatch):
+    _variant(monkeypatch, "avx2")
+    with pytest.raises(ValueError, match=r"w8a8 needs .*\(VNNI\).*kernels are avx2: use one of auto, float32, bfloat16, float16, int8$"):
+        resolve_weight_dtype(LoadConfig(weight_dtype="w8a8"))
+    _variant(monkeypatch, "avx512")
+    assert resolve_weight_dtype(LoadConfig(weight_dtype="w8a8")) == torch.int8
+    with pytest.raises(ValueError, match="needs int8 weights"):
+        WeightOnlyLinear(_weight(4, 8), torch.float16, int8_activations=True)

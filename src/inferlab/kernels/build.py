@@ -81,7 +81,7 @@ class KernelInfo:
 
     @property
     def int8_dot(self) -> str:
-        return ""
+        return "vpdpbusd" if self.variant == "avx512" else ""
 
     @property
     def auto_weight_dtype(self) -> str:
@@ -91,7 +91,7 @@ class KernelInfo:
         """One line: the variant, its weight path, and why when it is not the CPU's best."""
         if not self.available:
             return f"inferlab CPU kernels: none ({self.reason}); plain torch operators"
-        path = ("bf16 weights with vdpbf16ps in the decode step, oneDNN bf16 for prefill"
+        path = ("bf16 weights with vdpbf16ps in the decode step, oneDNN bf16 for prefill; int8 with vpdpbusd"
                 if self.bf16_dot else "float16 / int8 weights converted in registers, float32 FMA")
         extra = f" ({self.reason})" if self.reason else ""
         return f"inferlab CPU kernels: {self.variant}{extra}: {path}; CPU has {' '.join(self.cpu_flags) or '?'}"

@@ -33,6 +33,16 @@ STORED_DTYPES = (torch.float16, torch.bfloat16, torch.int8)
 MKL_MIN_ROWS = 128
 
 _FP16_MAX = torch.finfo(torch.float16).max
+INT8_GROUP = 64  # x values per int8 scale on the vpdpbusd path (csrc/matvec.h's kI8Group)
+
+
+def int8_group_corrections(q: torch.Tensor) -> torch.Tensor:
+    """-128 x the sums of int8 codes per row and group of INT8_GROUP columns, [N, groups] int32:
+    what vpdpbusd (unsigned x codes = q_x + 128) needs to make each group's sum exact."""
+    n, k = q.shape
+    groups = -(-k // INT8_GROUP)
+    padded = F.pad(q, (0, groups * INT8_GROUP - k))
+    return (padded.view(n, groups, INT8_GROUP).sum(-1, dtype=torch.int32) * -128).contiguous()
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,6 +93,7 @@ class WeightOnlyLinear:
         bias: torch.Tensor | None = None,
         compute_dtype: torch.dtype = torch.float32,
         use_kernels: bool | None = None,
+        int8_activations: bool = False,
     ):
         if weight.dim() != 2:
             raise ValueError(f"a linear weight must be a [out, in] matrix, got shape {tuple(weight.shape)}")
@@ -109,6 +120,14 @@ class WeightOnlyLinear:
         # sums stay float32. Elsewhere the products are float32's.
         self.bf16_products = (self.use_kernels and stored_dtype == torch.bfloat16
                               and build.kernel_info().bf16_dot)
+        # int8 on VNNI (vpdpbusd): below MKL_MIN_ROWS rows, x is quantized to int8 per group of
+        # INT8_GROUP values (symmetric) and the integer dot product runs on the stored codes;
+        # -128 x the weight's group sums, computed here once, undo vpdpbusd's unsigned offset.
+        self.row_sums: torch.Tensor | None = None
+        if int8_activations and stored_dtype != torch.int8:
+            raise ValueError("int8_activations needs int8 weights")
+        if int8_activations and self.use_kernels and build.kernel_info().int8_dot:
+            self.row_sums = int8_group_corrections(self.weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernels and x.dtype == torch.float32 and x.device.type == "cpu":
@@ -119,7 +138,7 @@ class WeightOnlyLinear:
         """Our C++ kernels: float32 x only."""
         ops = torch.ops.inferlab
         if self.scale is not None:
-            return ops.linear_w8(x, self.weight, self.scale, self.bias, MKL_MIN_ROWS)
+            return ops.linear_w8(x, self.weight, self.scale, self.bias, MKL_MIN_ROWS, self.row_sums)
         return ops.linear_w16(x, self.weight, self.bias, MKL_MIN_ROWS)
 
     def fallback(self, x: torch.Tensor) -> torch.Tensor:
@@ -151,6 +170,7 @@ def make_linear(
     bias: torch.Tensor | None,
     stored_dtype: torch.dtype,
     compute_dtype: torch.dtype,
+    int8_activations: bool = False,
 ) -> DenseLinear | WeightOnlyLinear:
     """DenseLinear when the weight is stored in the compute dtype, else WeightOnlyLinear."""
     if stored_dtype == compute_dtype:
@@ -160,7 +180,7 @@ def make_linear(
             f"weights stored as {stored_dtype} with compute in {compute_dtype}: weight-only storage "
             "is float16, bfloat16 or int8"
         )
-    return WeightOnlyLinear(weight, stored_dtype, bias, compute_dtype)
+    return WeightOnlyLinear(weight, stored_dtype, bias, compute_dtype, int8_activations=int8_activations)
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:

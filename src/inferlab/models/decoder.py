@@ -61,8 +61,12 @@ class DecoderModel:
         weights: dict[str, torch.Tensor],
         dtype: torch.dtype,
         weight_dtype: torch.dtype | None = None,
+        int8_activations: bool = False,
     ):
         self.config = config
+        if int8_activations and weight_dtype != torch.int8:
+            raise ValueError("int8 activations (weight_dtype w8a8) need int8 weights")
+        self.int8_activations = int8_activations  # x quantized per 64 values for vpdpbusd (kernels/linear.py)
         self.dtype = dtype
         self.weight_dtype = dtype if weight_dtype is None else weight_dtype
         c = config
@@ -76,7 +80,7 @@ class DecoderModel:
             return weights[name].to(dtype).contiguous()
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-            return make_linear(weight, bias, self.weight_dtype, dtype)
+            return make_linear(weight, bias, self.weight_dtype, dtype, int8_activations=self.int8_activations)
 
         # The embedding table is stored like the lm_head: a lookup dequantizes only the T rows it
         # gathers, and a tied lm_head then shares the one table (113 MB at float32 for SmolLM2).
@@ -129,6 +133,10 @@ class DecoderModel:
             how = "F.linear"
         elif e.use_kernels and self.dtype == torch.float32 and e.weight.device.type == "cpu":
             how = f"our {kernels_build.kernel_info().variant} kernels"
+            if self.int8_activations:
+                how += ", x quantized to int8 per 64 values, vpdpbusd"
+            elif getattr(e, "bf16_products", False):
+                how += ", bf16 products (vdpbf16ps / oneDNN), float32 sums"
         else:
             why = (kernels_build.unavailable_reason() or "kernels off") if not e.use_kernels else f"{cd} activations"
             how = f"plain torch, dequantized per call: {why}"
@@ -248,7 +256,8 @@ class DecoderModel:
             try:
                 self._step = torch.classes.inferlab.DecoderStep(
                     tensors, self.final_norm, self.cos, self.sin, [k for k, _ in kv_caches],
-                    [v for _, v in kv_caches], [c.num_heads, c.num_kv_heads, c.head_dim, block_size],
+                    [v for _, v in kv_caches],
+                    [c.num_heads, c.num_kv_heads, c.head_dim, block_size, int(self.int8_activations)],
                     c.rms_norm_eps, self.scale)
             except (RuntimeError, ValueError) as e:
                 log.warning("the decode step kernel does not take this model (%s); decode steps run per operator",

@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from inferlab.config import CacheConfig, LoadConfig
+from inferlab.config import WEIGHT_DTYPES, CacheConfig, LoadConfig
 from inferlab.kernels import build as kernels_build
 from inferlab.models.dummy_loader import load_dummy
 from inferlab.models.gguf_loader import load_gguf
@@ -19,7 +19,8 @@ from inferlab.models.hf_loader import load_hf_dir
 from inferlab.models.loaded import LoadedModel
 from inferlab.models.registry import detect_format, resolve_model
 
-__all__ = ["LOADERS", "LoadedModel", "load_model", "resolve_dtype", "resolve_kv_dtype", "resolve_weight_dtype"]
+__all__ = ["LOADERS", "LoadedModel", "int8_activations", "load_model", "resolve_dtype", "resolve_kv_dtype",
+           "resolve_weight_dtype"]
 
 # format -> loader(path, dtype, name)
 LOADERS: dict[str, Callable[[Path, torch.dtype, str], LoadedModel]] = {
@@ -51,7 +52,7 @@ def resolve_dtype(dtype: str, device: str | torch.device = "cpu") -> torch.dtype
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
-_WEIGHT_DTYPES = {**_DTYPES, "int8": torch.int8}
+_WEIGHT_DTYPES = {**_DTYPES, "int8": torch.int8, "w8a8": torch.int8}
 
 
 def _auto_16bit(load_config: LoadConfig) -> bool:
@@ -89,6 +90,10 @@ def resolve_weight_dtype(load_config: LoadConfig) -> torch.dtype:
     compute = resolve_dtype(load_config.dtype, load_config.device)
     if load_config.weight_dtype == "auto":
         return _DTYPES[kernels_build.kernel_info().auto_weight_dtype] if _auto_16bit(load_config) else compute
+    if load_config.weight_dtype == "w8a8" and not kernels_build.kernel_info().int8_dot:
+        have = [w for w in WEIGHT_DTYPES if w != "w8a8"]
+        raise ValueError(f"weight_dtype w8a8 needs the integer dot product of the avx512 kernel variant (VNNI); "
+                         f"this machine's kernels are {kernels_build.kernel_info().variant}: use one of {', '.join(have)}")
     stored = _WEIGHT_DTYPES[load_config.weight_dtype]  # a name LoadConfig has checked
     if stored.itemsize > compute.itemsize:
         raise ValueError(
@@ -96,6 +101,12 @@ def resolve_weight_dtype(load_config: LoadConfig) -> torch.dtype:
             f"{str(compute).removeprefix('torch.')}: store weights in the compute dtype or in fewer bits"
         )
     return stored
+
+
+def int8_activations(load_config: LoadConfig) -> bool:
+    """Whether int8 weights multiply int8-quantized activations (weight_dtype "w8a8", checked
+    by resolve_weight_dtype) rather than float32 ones (weight-only "int8")."""
+    return load_config.weight_dtype == "w8a8"
 
 
 def cpu_has_native_bf16() -> bool:
