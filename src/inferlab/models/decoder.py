@@ -63,6 +63,9 @@ class DecoderModel:
         weight_dtype: torch.dtype | None = None,
         int8_activations: bool = False,
     ):
+        # The kernels are decided and compiled here, at load, whatever the dtype: before the
+        # server answers /health, so no request waits for a compile (~35-70 s).
+        kernels_build.kernel_info()
         self.config = config
         if int8_activations and weight_dtype != torch.int8:
             raise ValueError("int8 activations (weight_dtype w8a8) need int8 weights")
