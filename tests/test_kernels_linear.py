@@ -42,12 +42,13 @@ def _reference(x: torch.Tensor, lin: WeightOnlyLinear, rows: int = 1) -> tuple[t
     """float64 product of the dequantized weight, and the error bound a float32 sum may reach.
     With `lin.bf16_products` (AVX512-BF16) the product of x rounded to bf16, as the kernel
     defines it, and from MKL_MIN_ROWS `rows` on oneDNN's bf16 output rounding (half an ulp)."""
-    w = lin.dequantized(torch.float64)
-    xs = x.bfloat16().double() if lin.bf16_products else x.double()
+    gemm = lin.bf16_gemm and rows >= MKL_MIN_ROWS  # oneDNN: bf16 x, bf16 weights, bf16 output
+    w = lin.dequantized(torch.bfloat16 if gemm else torch.float32).double()
+    xs = x.bfloat16().double() if lin.bf16_products or gemm else x.double()
     y = xs @ w.T
     # float32 accumulation over K terms: a few ulps of the sum of magnitudes.
     bound = 1e-5 * (xs.abs() @ w.abs().T) + 1e-6
-    if lin.bf16_products and rows >= MKL_MIN_ROWS:
+    if gemm:
         bound = bound + y.abs() * 2.0**-8 * 1.01
     if lin.bias is not None:
         y = y + lin.bias.double()
@@ -115,10 +116,13 @@ def test_fallback_equals_kernel(stored):
     plain = WeightOnlyLinear(w, stored, bias, use_kernels=False)
     for m in (1, 5, 17, 300):
         x = torch.randn(m, 93)
-        if fast.bf16_products:  # the fallback's float32 products of the x the kernel multiplies
+        gemm = fast.bf16_gemm and m >= MKL_MIN_ROWS
+        if fast.bf16_products or gemm:  # the fallback's float32 products of the x the kernel multiplies
             xb = x.bfloat16().float()
-            out_rounding = 2.0**-8 * (xb @ plain.dequantized().T).abs() if m >= MKL_MIN_ROWS else 0.0  # bias after
-            assert bool(((fast(x) - plain(xb)).abs() <= 1e-5 * (1 + plain(xb).abs()) + out_rounding * 1.01).all())
+            w = plain.dequantized(torch.bfloat16).float() if gemm else plain.dequantized()
+            want = F.linear(xb, w, plain.bias)
+            out_rounding = 2.0**-8 * (xb @ w.T).abs() if gemm else 0.0  # the bias is added after
+            assert bool(((fast(x) - want).abs() <= 1e-5 * (1 + want.abs()) + out_rounding * 1.01).all())
         else:
             torch.testing.assert_close(fast(x), plain(x), rtol=1e-5, atol=1e-5)
 

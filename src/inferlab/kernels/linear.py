@@ -120,6 +120,10 @@ class WeightOnlyLinear:
         # sums stay float32. Elsewhere the products are float32's.
         self.bf16_products = (self.use_kernels and stored_dtype == torch.bfloat16
                               and build.kernel_info().bf16_dot)
+        # From MKL_MIN_ROWS rows on, bf16 and int8 weights (the latter as bf16 codes x scales)
+        # go to oneDNN's bf16 GEMM there: x and the output rounded to bf16.
+        self.bf16_gemm = (self.use_kernels and stored_dtype in (torch.bfloat16, torch.int8)
+                          and build.kernel_info().bf16_dot)
         # int8 on VNNI (vpdpbusd): below MKL_MIN_ROWS rows, x is quantized to int8 per group of
         # INT8_GROUP values (symmetric) and the integer dot product runs on the stored codes;
         # -128 x the weight's group sums, computed here once, undo vpdpbusd's unsigned offset.
