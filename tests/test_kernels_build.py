@@ -85,3 +85,22 @@ def test_the_kernels_are_decided_at_load_not_at_the_first_request(tmp_path, monk
     monkeypatch.setattr(build, "kernel_info", lambda: asked.append(1) or real())
     DecoderModel(config, weights, torch.bfloat16)
     assert asked
+
+
+def test_a_pair_without_a_fast_path_says_so_in_one_warning(caplog, tmp_path):
+    """bf16 compute with int8 weights has no kernel: one warning line naming the way out."""
+    import logging
+
+    from inferlab import LLM
+
+    if not build.kernel_info().available:
+        pytest.skip(f"kernels unavailable: {build.unavailable_reason()}")
+    from inferlab.models.testing import make_tiny_hf_model
+
+    path = make_tiny_hf_model(tmp_path / "m", arch="llama")
+    with caplog.at_level(logging.INFO, logger="inferlab.models.decoder"):
+        LLM(str(path), dtype="bfloat16", weight_dtype="int8", num_kv_blocks=8)
+        LLM(str(path), dtype="float32", weight_dtype="int8", num_kv_blocks=8)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "\n" not in warnings[0]
+    assert "no fast path for int8 weights with bfloat16 compute" in warnings[0] and "dtype auto" in warnings[0]

@@ -126,7 +126,15 @@ class DecoderModel:
         self.fused_ok = self.step_ok and not c.qk_norm
         self._step: object | None = None  # torch.classes.inferlab.DecoderStep, built on first use
         self._step_caches: list | None = None
-        log.info("%s", self.describe_precision())
+        line = self.describe_precision()
+        if "plain torch, dequantized per call" in line:
+            # No kernel takes this pair on this CPU: say so once, loudly, with the way out
+            # (a per-call dequantize is measured 7-10x slower than dtype auto).
+            log.warning("%s: no fast path for %s weights with %s compute on this CPU (kernels: %s); "
+                        "dtype auto or float32 runs them in our kernels", line, _dtype_name(self.weight_dtype),
+                        _dtype_name(dtype), kernels_build.kernel_info().variant)
+        else:
+            log.info("%s", line)
 
     def describe_precision(self) -> str:
         """One line for the load log: how weights are stored, what multiplies them, compute dtype."""
