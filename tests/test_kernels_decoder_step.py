@@ -46,14 +46,23 @@ def _generate(path, monkeypatch, use_step: bool, weight_dtype: str, n_prompts: i
     return outs
 
 
+W8A8 = pytest.param("w8a8", 5, marks=pytest.mark.skipif(
+    not build.kernel_info().int8_dot, reason=f"w8a8 needs AVX512_VNNI; this process has {build.kernel_info().variant}"))
+
+
 # 1 and 2 rows: the norm computed by every thread, x rows read in registers; 7: the shared norm,
-# weight blocks converted to float32 first; 40: many 3-row micro-kernel tiles and a remainder.
+# weight blocks converted to float32 first; 40: many 3-row micro-kernel tiles and a remainder;
+# w8a8 at 5: one 4-row vpdpbusd tile and a 1-row one.
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("weight_dtype,n_prompts", [("float32", 1), ("float16", 2), ("int8", 7), ("bfloat16", 40)])
+@pytest.mark.parametrize("weight_dtype,n_prompts", [("float32", 1), ("float16", 2), ("int8", 7), ("bfloat16", 40), W8A8])
 def test_decode_step_gives_the_per_operator_tokens_and_logprobs(models, monkeypatch, arch, weight_dtype, n_prompts):
     step = _generate(models[arch], monkeypatch, True, weight_dtype, n_prompts)
     ops = _generate(models[arch], monkeypatch, False, weight_dtype, n_prompts)
-    assert_same_greedy(step, ops, top_ids=True)
+    # bf16 products (AVX512-BF16) round x to bf16: a 1-ulp difference between the paths' norms
+    # can flip an element's rounding (2^-8 of it), so their logprobs agree to ~1e-3, not 1e-4.
+    # w8a8 too: a last-bit difference can move a value across a quantization step.
+    tol = 5e-3 if weight_dtype in ("bfloat16", "w8a8") and build.kernel_info().bf16_dot else 1e-4
+    assert_same_greedy(step, ops, tol=tol, top_ids=True)
 
 
 def _direct_step(models):

@@ -12,7 +12,7 @@ import inferlab.models.loader as loader
 from inferlab import LLM, SamplingParams
 from inferlab.config import LoadConfig
 from inferlab.kernels import build
-from inferlab.kernels.linear import DenseLinear, WeightOnlyLinear, make_linear, quantize_int8
+from inferlab.kernels.linear import MKL_MIN_ROWS, DenseLinear, WeightOnlyLinear, make_linear, quantize_int8
 from inferlab.models.loader import resolve_weight_dtype
 from inferlab.models.testing import make_tiny_hf_model
 
@@ -38,19 +38,25 @@ def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
     return w
 
 
-def _reference(x: torch.Tensor, lin: WeightOnlyLinear) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 product of the dequantized weight, and the error bound a float32 sum may reach."""
-    w = lin.dequantized(torch.float64)
-    y = x.double() @ w.T
+def _reference(x: torch.Tensor, lin: WeightOnlyLinear, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 product of the dequantized weight, and the error bound a float32 sum may reach.
+    With `lin.bf16_products` (AVX512-BF16) the product of x rounded to bf16, as the kernel
+    defines it, and from MKL_MIN_ROWS `rows` on oneDNN's bf16 output rounding (half an ulp)."""
+    gemm = lin.bf16_gemm and rows >= MKL_MIN_ROWS  # oneDNN: bf16 x, bf16 weights, bf16 output
+    w = lin.dequantized(torch.bfloat16 if gemm else torch.float32).double()
+    xs = x.bfloat16().double() if lin.bf16_products or gemm else x.double()
+    y = xs @ w.T
+    # float32 accumulation over K terms: a few ulps of the sum of magnitudes.
+    bound = 1e-5 * (xs.abs() @ w.abs().T) + 1e-6
+    if gemm:
+        bound = bound + y.abs() * 2.0**-8 * 1.01
     if lin.bias is not None:
         y = y + lin.bias.double()
-    # float32 accumulation over K terms: a few ulps of the sum of magnitudes.
-    bound = 1e-5 * (x.double().abs() @ w.abs().T) + 1e-6
     return y, bound
 
 
-def _check(y: torch.Tensor, x: torch.Tensor, lin: WeightOnlyLinear) -> None:
-    ref, bound = _reference(x, lin)
+def _check(y: torch.Tensor, x: torch.Tensor, lin: WeightOnlyLinear, rows: int | None = None) -> None:
+    ref, bound = _reference(x, lin, x.reshape(-1, x.shape[-1]).shape[0] if rows is None else rows)
     assert y.dtype == torch.float32 and y.shape == ref.shape
     err = (y.double() - ref).abs()
     worst = int(err.argmax())
@@ -76,7 +82,7 @@ def test_kernel_matches_dequantized_reference(stored, shape, with_bias):
                 y = torch.ops.inferlab.linear_w8(x, lin.weight, lin.scale, lin.bias, min_rows)
             else:
                 y = torch.ops.inferlab.linear_w16(x, lin.weight, lin.bias, min_rows)
-            _check(y, x, lin)
+            _check(y, x, lin, rows=0 if min_rows > m else MKL_MIN_ROWS)
 
 
 @needs_kernels
@@ -110,7 +116,15 @@ def test_fallback_equals_kernel(stored):
     plain = WeightOnlyLinear(w, stored, bias, use_kernels=False)
     for m in (1, 5, 17, 300):
         x = torch.randn(m, 93)
-        torch.testing.assert_close(fast(x), plain(x), rtol=1e-5, atol=1e-5)
+        gemm = fast.bf16_gemm and m >= MKL_MIN_ROWS
+        if fast.bf16_products or gemm:  # the fallback's float32 products of the x the kernel multiplies
+            xb = x.bfloat16().float()
+            w = plain.dequantized(torch.bfloat16).float() if gemm else plain.dequantized()
+            want = F.linear(xb, w, plain.bias)
+            out_rounding = 2.0**-8 * (xb @ w.T).abs() if gemm else 0.0  # the bias is added after
+            assert bool(((fast(x) - want).abs() <= 1e-5 * (1 + want.abs()) + out_rounding * 1.01).all())
+        else:
+            torch.testing.assert_close(fast(x), plain(x), rtol=1e-5, atol=1e-5)
 
 
 # ---- the fallback and the storage: no kernels needed ---------------------------------------
@@ -180,17 +194,30 @@ def test_bad_storage_is_a_value_error():
 # ---- which weight dtype a LoadConfig gets --------------------------------------------------
 
 
+def _variant(monkeypatch, variant: str) -> None:
+    """As if kernels/build.py had chosen `variant` on this machine."""
+    info = build.KernelInfo(variant, ())
+    monkeypatch.setattr(build, "kernel_info", lambda: info)
+    monkeypatch.setattr(build, "available", lambda: info.available)
+
+
 def test_auto_weight_dtype(monkeypatch):
     monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)  # an AVX2 CPU: float32 compute
-    monkeypatch.setattr(build, "available", lambda: True)
+    _variant(monkeypatch, "avx2")
     assert resolve_weight_dtype(LoadConfig()) == torch.float16
     # An explicit float32 compute keeps float32 weights: the exact-match tests rely on it.
     assert resolve_weight_dtype(LoadConfig(dtype="float32")) == torch.float32
-    monkeypatch.setattr(build, "available", lambda: False)  # no kernels: 16-bit would be slower
-    assert resolve_weight_dtype(LoadConfig()) == torch.float32
-    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: True)  # native bf16: weights as computed
-    monkeypatch.setattr(build, "available", lambda: True)
+    # AVX512-BF16 (the avx512 variant): float32 compute, bf16 weights for vdpbf16ps.
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: True)
+    _variant(monkeypatch, "avx512")
+    assert loader.resolve_dtype("auto") == torch.float32
     assert resolve_weight_dtype(LoadConfig()) == torch.bfloat16
+    assert resolve_weight_dtype(LoadConfig(dtype="float32")) == torch.float32
+    _variant(monkeypatch, "none")  # no kernels: native bf16 computes in bf16, weights as computed
+    assert loader.resolve_dtype("auto") == torch.bfloat16
+    assert resolve_weight_dtype(LoadConfig()) == torch.bfloat16
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)  # nor bf16: 16-bit would be slower
+    assert resolve_weight_dtype(LoadConfig()) == torch.float32
 
 
 def test_kv_cache_dtype_auto_follows_the_weights(monkeypatch):
@@ -198,11 +225,13 @@ def test_kv_cache_dtype_auto_follows_the_weights(monkeypatch):
     from inferlab.models import loader
 
     monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)  # an AVX2 CPU: float32 compute
-    monkeypatch.setattr(loader.kernels_build, "available", lambda: True)
+    _variant(monkeypatch, "avx2")
     assert loader.resolve_kv_dtype(LoadConfig(), CacheConfig()) == torch.float16
     assert loader.resolve_kv_dtype(LoadConfig(dtype="float32"), CacheConfig()) == torch.float32
     assert loader.resolve_kv_dtype(LoadConfig(dtype="float32"), CacheConfig(cache_dtype="float16")) == torch.float16
-    monkeypatch.setattr(loader.kernels_build, "available", lambda: False)
+    _variant(monkeypatch, "avx512")  # bf16 weights, float16 K/V (the attention kernel widens them)
+    assert loader.resolve_kv_dtype(LoadConfig(), CacheConfig()) == torch.float16
+    _variant(monkeypatch, "none")
     assert loader.resolve_kv_dtype(LoadConfig(), CacheConfig()) == torch.float32
     with pytest.raises(ValueError, match="cache_dtype"):
         CacheConfig(cache_dtype="int4")
@@ -273,3 +302,56 @@ def test_engine_float32_keeps_dense_weights(tiny_llama):
     assert llm.engine.runner.weight_dtype == torch.float32
     assert all(isinstance(lin, DenseLinear) for lin in (model.layers[0].qkv, model.layers[0].down, model.lm_head))
     assert model.describe_precision().startswith("weights float32 (F.linear), compute float32")
+
+
+@pytest.mark.skipif(not build.kernel_info().bf16_dot,
+                    reason=f"needs AVX512_BF16 (the avx512 kernel variant); this process has {build.kernel_info().variant}")
+@pytest.mark.parametrize("m", [1, 6, 7, 32, 127, 200])
+def test_bf16_products_are_bf16_x_times_bf16_w_in_float32(m):
+    """vdpbf16ps (and oneDNN from MKL_MIN_ROWS): the product of x rounded to bf16, float32 sums;
+    against a float32 reference, off by x's rounding only (~2^-9 of each term)."""
+    n, k = 96, 600  # K not a multiple of 32: the masked tail
+    lin = WeightOnlyLinear(_weight(n, k), torch.bfloat16, torch.randn(n), use_kernels=True)
+    assert lin.bf16_products
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    y = lin(x)
+    _check(y, x, lin)
+    exact = F.linear(x.double(), lin.dequantized(torch.float64), lin.bias.double())
+    mag = x.double().abs() @ lin.dequantized(torch.float64).abs().T
+    rel = float(((y.double() - exact).abs() / mag).max())
+    assert 1e-6 < rel < 2.0**-7  # x really was rounded (a float32 product is ~1e-7), and no worse than that
+
+
+@pytest.mark.skipif(not build.kernel_info().int8_dot,
+                    reason=f"needs AVX512_VNNI (the avx512 kernel variant); this process has {build.kernel_info().variant}")
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 32, 127])
+@pytest.mark.parametrize("k", [45, 576, 600])
+def test_w8a8_is_int8_x_per_64_values_times_the_codes(m, k):
+    """vpdpbusd (weight_dtype w8a8): x quantized per group of 64 values (symmetric, round half
+    to even), the integer sums exact, then the scales; against that math in float64."""
+    n = 37
+    lin = WeightOnlyLinear(_weight(n, k), torch.int8, torch.randn(n), use_kernels=True, int8_activations=True)
+    assert lin.row_sums is not None and lin.row_sums.shape == (n, -(-k // 64))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m))
+    groups = -(-k // 64)
+    xg = F.pad(x, (0, groups * 64 - k)).view(m, groups, 64)
+    amax = xg.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))  # float32, as the kernel computes it
+    xq = (torch.round(xg * inv) * (amax / 127)).view(m, -1)[:, :k]
+    want = xq.double() @ lin.dequantized(torch.float64).T + lin.bias.double()
+    bound = 1e-5 * (xq.double().abs() @ lin.dequantized(torch.float64).abs().T) + 1e-6
+    y = lin(x)
+    assert bool(((y.double() - want).abs() <= bound).all())
+    plain = WeightOnlyLinear(_weight(n, k), torch.int8, torch.randn(n), use_kernels=True)  # weight-only int8
+    assert plain.row_sums is None
+    assert float((plain(x) - lin(x)).abs().max()) > 1e-6  # the two modes really differ
+
+
+def test_w8a8_needs_vnni_and_says_what_this_machine_has(monkeypatch):
+    _variant(monkeypatch, "avx2")
+    with pytest.raises(ValueError, match=r"w8a8 needs .*\(VNNI\).*kernels are avx2: use one of auto, float32, bfloat16, float16, int8$"):
+        resolve_weight_dtype(LoadConfig(weight_dtype="w8a8"))
+    _variant(monkeypatch, "avx512")
+    assert resolve_weight_dtype(LoadConfig(weight_dtype="w8a8")) == torch.int8
+    with pytest.raises(ValueError, match="needs int8 weights"):
+        WeightOnlyLinear(_weight(4, 8), torch.float16, int8_activations=True)

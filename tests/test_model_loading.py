@@ -420,10 +420,15 @@ def test_load_model_dispatch(tiny_dirs: dict[str, Path], tmp_path: Path) -> None
 def test_resolve_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     import inferlab.models.loader as loader
 
+    monkeypatch.setattr(loader.kernels_build, "available", lambda: False)  # plain torch
     monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: True)
     assert resolve_dtype("auto") == torch.bfloat16
     monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)
     assert resolve_dtype("auto") == torch.float32  # emulated bf16 is far slower than float32
+    monkeypatch.setattr(loader.kernels_build, "available", lambda: True)  # our kernels take float32 x
+    assert resolve_dtype("auto") == torch.float32
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: True)
+    assert resolve_dtype("auto") == torch.float32
     assert resolve_dtype("float16") == torch.float16
     with pytest.raises(ValueError, match="dtype must be"):
         resolve_dtype("int8")

@@ -51,7 +51,9 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
 
 
-WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+# int8: weight-only (float products); w8a8: int8 weights and x quantized per group of 64 on the
+# fly, integer dot products (vpdpbusd; the AVX-512 kernel variant only), faster, less accurate.
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "w8a8")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 

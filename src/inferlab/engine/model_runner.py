@@ -31,7 +31,7 @@ from inferlab.models.attention import (
     prefill_tile,
 )
 from inferlab.models.decoder import DecoderModel
-from inferlab.models.loader import resolve_dtype, resolve_kv_dtype, resolve_weight_dtype
+from inferlab.models.loader import int8_activations, resolve_dtype, resolve_kv_dtype, resolve_weight_dtype
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(load_config.dtype, load_config.device)
         self.block_size = cache_config.block_size
         self.weight_dtype = resolve_weight_dtype(load_config)  # how the linear layers' weights are stored
-        self.model = DecoderModel(model_config, weights, self.dtype, weight_dtype=self.weight_dtype)
+        self.model = DecoderModel(model_config, weights, self.dtype, weight_dtype=self.weight_dtype,
+                                  int8_activations=int8_activations(load_config))
         self.kv_dtype = resolve_kv_dtype(load_config, cache_config)
         self.num_blocks = num_kv_blocks(model_config, cache_config, self.kv_dtype)
         self.kv_caches = allocate_kv_cache(

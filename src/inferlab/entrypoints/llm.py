@@ -19,7 +19,8 @@ class LLM:
     or a hub id. dtype "auto" is bfloat16 where the CPU computes in it natively, else float32.
     weight_dtype is how the linear layers' weights are stored: "auto" is float16 when dtype
     "auto" resolved to float32 on the CPU and our kernels load (half the bytes a decode step
-    reads), else the compute dtype; or "float32" | "bfloat16" | "float16" | "int8".
+    reads), else the compute dtype; or "float32" | "bfloat16" | "float16" | "int8" | "w8a8"
+    (int8 weights and int8 activations, integer dot products: where the CPU has VNNI).
     kv_cache_dtype is how K and V are stored: "auto" is float16 where "auto" weights are, else
     the compute dtype; or "float32" | "bfloat16" | "float16".
     """

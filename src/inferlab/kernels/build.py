@@ -1,4 +1,4 @@
-"""Compile and load our C++ CPU kernels on first use; say why not when they cannot be.
+"""Compile and load our C++ CPU kernels for the CPU they run on; say why not when they cannot be.
 
 Why compiled at run time rather than at install: the package installs from a pyproject without
 a build step that needs torch (a build-isolated install would fetch a second torch), and the
@@ -8,14 +8,22 @@ registers its operators with `TORCH_LIBRARY_FRAGMENT(inferlab, m)`, so after `lo
 torch's own OpenMP runtime, through `at::parallel_for` or, in decoder_step.cpp, `omp parallel`:
 torch's libgomp is the one already loaded; a second OpenMP runtime would fight it for the cores).
 
-The build (~35 s on 2 cores, once) lands in ~/.cache/inferlab/kernels/<hash of sources, flags,
-torch version> ($INFERLAB_CACHE/kernels/... when set, see cache_paths.py), so a changed source or torch rebuilds and a clean machine builds once.
-`INFERLAB_KERNELS=0` turns them off (everything falls back to plain torch operators); so does a
-CPU without AVX2/FMA/F16C or a missing compiler, with the reason kept in `unavailable_reason()`.
+One decision per machine, made once from the CPU's flags (/proc/cpuinfo) and frozen in
+`kernel_info()`: the AVX-512 variant (F/BW/VL/DQ + BF16 + VNNI: bf16 weights multiplied with
+vdpbf16ps, int8 with vpdpbusd) where every one of those flags is there, else the AVX2 variant
+(AVX2 + FMA + F16C; the same flags and code as before the AVX-512 variant existed), else none
+(plain torch operators). `INFERLAB_KERNELS` overrides it: 0 turns the kernels off, avx2 asks for
+the AVX2 variant on any CPU that has it (A/B runs on an AVX-512 machine), avx512 for the
+AVX-512 one; a variant the CPU lacks, or an unknown value, is a one-line error.
+
+The build (~35 s on 2 cores, once per variant) lands in ~/.cache/inferlab/kernels/<hash of
+sources, flags, torch version> ($INFERLAB_CACHE/kernels/... when set, see cache_paths.py), so a
+changed source or torch rebuilds and a clean machine builds once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -31,62 +39,168 @@ from inferlab.cache_paths import cache_root
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++17"]
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++17"]  # the AVX2 variant's
+# What each variant needs from the CPU (/proc/cpuinfo's names) and adds to CFLAGS. The AVX-512
+# one wants BF16 and VNNI too: without them (Skylake-X) it would gain little over AVX2 here.
+VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "avx512": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"),
+               ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni")),
+    "avx2": (("avx2", "fma", "f16c"), ()),
+}
+_OFF = ("0", "false", "no", "off")
+_AUTO = ("", "1", "true", "yes", "on", "auto")
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "ok": bool, "reason": str
+_state: dict[str, object] = {}  # "info": KernelInfo once load() has run
 
 
-def _cache_dir(sources: list[Path]) -> Path:
+@dataclasses.dataclass(frozen=True)
+class KernelInfo:
+    """What this process multiplies with, decided once (`kernel_info()`); the server reports it.
+
+    variant: "avx512", "avx2" or "none" (plain torch). reason: why "none" (or why not the best
+    variant), empty otherwise. bf16_dot: the decode kernels multiply bf16 weights with
+    vdpbf16ps (activations rounded to bf16 per row, float32 sums). int8_dot: the integer dot
+    product int8 weights use ("vpdpbusd"), or "" for int8 converted to float32 in registers.
+    auto_weight_dtype: what weight_dtype "auto" stores when compute is float32 ("bfloat16",
+    "float16", or "" for none: the compute dtype).
+    """
+
+    variant: str
+    cpu_flags: tuple[str, ...]
+    reason: str = ""
+    cflags: tuple[str, ...] = ()
+    build_dir: str = ""
+
+    @property
+    def available(self) -> bool:
+        return self.variant != "none"
+
+    @property
+    def bf16_dot(self) -> bool:
+        return self.variant == "avx512"
+
+    @property
+    def int8_dot(self) -> str:
+        return "vpdpbusd" if self.variant == "avx512" else ""
+
+    @property
+    def auto_weight_dtype(self) -> str:
+        return {"avx512": "bfloat16", "avx2": "float16"}.get(self.variant, "")
+
+    def describe(self) -> str:
+        """One line: the variant, its weight path, and why when it is not the CPU's best."""
+        if not self.available:
+            return f"inferlab CPU kernels: none ({self.reason}); plain torch operators"
+        path = ("bf16 weights with vdpbf16ps in the decode step, oneDNN bf16 for prefill; int8 with vpdpbusd"
+                if self.bf16_dot else "float16 / int8 weights converted in registers, float32 FMA")
+        extra = f" ({self.reason})" if self.reason else ""
+        return f"inferlab CPU kernels: {self.variant}{extra}: {path}; CPU has {' '.join(self.cpu_flags) or '?'}"
+
+    def as_dict(self) -> dict[str, object]:
+        """Plain values for a JSON report (the server's, a benchmark's)."""
+        d = dataclasses.asdict(self)
+        d.update(available=self.available, bf16_dot=self.bf16_dot, int8_dot=self.int8_dot,
+                 auto_weight_dtype=self.auto_weight_dtype)
+        return d
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux names them (/proc/cpuinfo); elsewhere what torch's own
+    dispatch found (AVX2 there implies FMA and F16C on every CPU that has it)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    cap = torch.backends.cpu.get_cpu_capability()
+    return frozenset({"avx2", "fma", "f16c"} if cap in ("AVX2", "AVX512") else ())
+
+
+def choose_variant(flags: frozenset[str], setting: str) -> tuple[str, str]:
+    """(variant, reason) for these CPU flags and an INFERLAB_KERNELS value; ValueError for a
+    value that is no variant, or one the CPU lacks, naming the ones it has."""
+    s = setting.strip().lower()
+    has = [v for v, (need, _) in VARIANTS.items() if set(need) <= flags]
+    if s in _OFF:
+        return "none", "turned off by INFERLAB_KERNELS=0"
+    if s in _AUTO:
+        if not has:
+            return "none", "this CPU lacks AVX2/FMA/F16C, which the kernels need"
+        best = has[0]
+        missing = sorted(set(VARIANTS["avx512"][0]) - flags)
+        why = "" if best == "avx512" or "avx512f" not in flags else f"AVX-512 without {', '.join(missing)}"
+        return best, why
+    if s in VARIANTS and s in has:
+        return s, f"INFERLAB_KERNELS={s}" if s != has[0] else ""
+    raise ValueError(f"INFERLAB_KERNELS={setting!r}: this machine has {', '.join(['0', 'auto'] + has)}"
+                     + (f" ({s} needs {', '.join(sorted(set(VARIANTS[s][0]) - flags))})" if s in VARIANTS else ""))
+
+
+def _cflags(variant: str) -> list[str]:
+    return CFLAGS + list(VARIANTS[variant][1])
+
+
+def _cache_dir(sources: list[Path], cflags: list[str] | None = None) -> Path:
     h = hashlib.sha256()
     for p in sources:
         h.update(p.name.encode())
         h.update(p.read_bytes())
-    h.update(" ".join(CFLAGS).encode())
+    h.update(" ".join(CFLAGS if cflags is None else cflags).encode())
     h.update(torch.__version__.encode())
     return cache_root() / "kernels" / h.hexdigest()[:16]
 
 
-def _why_not() -> str | None:
-    if os.environ.get("INFERLAB_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
-        return "turned off by INFERLAB_KERNELS=0"
-    cap = torch.backends.cpu.get_cpu_capability()
-    if cap not in ("AVX2", "AVX512"):
-        return f"this CPU's vector capability is {cap!r}; the kernels need AVX2 with FMA and F16C"
+def _build(variant: str, flags: tuple[str, ...], why: str) -> KernelInfo:
+    """Compile (or find compiled) and load one variant; a KernelInfo of "none" with the reason
+    when that fails."""
     if shutil.which(os.environ.get("CXX", "c++")) is None:
-        return "no C++ compiler on PATH (c++ or $CXX)"
-    if not list(CSRC.glob("*.cpp")):
-        return f"no kernel sources in {CSRC}"
-    return None
+        return KernelInfo("none", flags, "no C++ compiler on PATH (c++ or $CXX)")
+    sources = sorted(CSRC.glob("*.cpp"))
+    if not sources:
+        return KernelInfo("none", flags, f"no kernel sources in {CSRC}")
+    cflags = _cflags(variant)
+    build_dir = _cache_dir(sources + sorted(CSRC.glob("*.h")), cflags)  # a changed header rebuilds too
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        from torch.utils.cpp_extension import load as cpp_load
+
+        # torch calls `ninja` by name: the one our venv installs sits beside its python.
+        bindir = str(Path(sys.executable).parent)
+        if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+        log.info("loading inferlab CPU kernels, %s variant (first use compiles them, ~35 s on 2 cores) from %s",
+                 variant, build_dir)
+        cpp_load(name=f"inferlab_kernels_{variant}", sources=[str(s) for s in sources], extra_cflags=cflags,
+                 extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False,
+                 verbose=False)
+        compiled = str(torch.ops.inferlab.compiled_isa())
+    except Exception as e:  # a compiler error, a missing ninja: fall back, keep the reason
+        msg = str(e).strip()
+        return KernelInfo("none", flags, f"building the kernels failed: {msg.splitlines()[-1] if msg else e!r}")
+    if compiled != variant:  # a stale or foreign build: never run code for the wrong CPU
+        return KernelInfo("none", flags, f"the {variant} build reports ISA {compiled!r}")
+    return KernelInfo(variant, flags, why, tuple(cflags), str(build_dir))
 
 
 def load() -> bool:
-    """Build (once per source version) and load the kernels; True when torch.ops.inferlab.* exist."""
+    """Decide the variant (once per process), build and load it; True when torch.ops.inferlab.* exist."""
+    return kernel_info().available
+
+
+def kernel_info() -> KernelInfo:
+    """The frozen decision for this process (building the kernels on first call), logged once."""
     with _lock:
-        if "ok" in _state:
-            return bool(_state["ok"])
-        reason = _why_not()
-        if reason is None:
-            sources = sorted(CSRC.glob("*.cpp"))
-            build_dir = _cache_dir(sources + sorted(CSRC.glob("*.h")))  # a changed header rebuilds too
-            build_dir.mkdir(parents=True, exist_ok=True)
-            try:
-                from torch.utils.cpp_extension import load as cpp_load
-
-                # torch calls `ninja` by name: the one our venv installs sits beside its python.
-                bindir = str(Path(sys.executable).parent)
-                if bindir not in os.environ.get("PATH", "").split(os.pathsep):
-                    os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-
-                log.info("loading inferlab CPU kernels (first use compiles them, ~35 s on 2 cores) from %s", build_dir)
-                cpp_load(name="inferlab_kernels", sources=[str(s) for s in sources], extra_cflags=CFLAGS,
-                         extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False,
-                         verbose=False)
-            except Exception as e:  # a compiler error, a missing ninja: fall back, keep the reason
-                reason = f"building the kernels failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}"
-        if reason is not None:
-            log.warning("inferlab CPU kernels unavailable (%s); using plain torch operators", reason)
-        _state["ok"], _state["reason"] = reason is None, reason or ""
-        return reason is None
+        info = _state.get("info")
+        if info is None:
+            flags = cpu_flags()
+            shown = tuple(f for f in sorted(set().union(*(n for n, _ in VARIANTS.values())) | {"avx_vnni"}) if f in flags)
+            variant, why = choose_variant(flags, os.environ.get("INFERLAB_KERNELS", ""))
+            info = KernelInfo("none", shown, why) if variant == "none" else _build(variant, shown, why)
+            _state["info"] = info
+            (log.warning if not info.available else log.info)("%s", info.describe())
+        return info  # type: ignore[return-value]
 
 
 def available() -> bool:
@@ -95,5 +209,5 @@ def available() -> bool:
 
 def unavailable_reason() -> str:
     """Empty when the kernels loaded; else why they did not."""
-    load()
-    return str(_state["reason"])
+    info = kernel_info()
+    return "" if info.available else info.reason

@@ -3,7 +3,8 @@
 A decode step reads every weight once for a few rows of activations, so its time is the time
 to read the weights: `WeightOnlyLinear` keeps them in float16 / bfloat16 (half of float32's
 bytes) or int8 with one float32 scale per output row (a quarter), and multiplies in the
-activations' dtype (float32 on a CPU without fast 16-bit arithmetic). Our C++ kernels
+activations' dtype (float32 on a CPU without fast 16-bit arithmetic; on AVX512-BF16 the
+kernels multiply bf16 weights in bf16 with float32 sums, see `bf16_products`). Our C++ kernels
 (csrc/linear.cpp) convert the weights in registers, so they are read from memory once per call;
 without the kernels (`build.available()` False, or activations not float32 on the CPU) the same
 math runs in plain torch: dequantize, then `F.linear`.
@@ -32,6 +33,16 @@ STORED_DTYPES = (torch.float16, torch.bfloat16, torch.int8)
 MKL_MIN_ROWS = 128
 
 _FP16_MAX = torch.finfo(torch.float16).max
+INT8_GROUP = 64  # x values per int8 scale on the vpdpbusd path (csrc/matvec.h's kI8Group)
+
+
+def int8_group_corrections(q: torch.Tensor) -> torch.Tensor:
+    """-128 x the sums of int8 codes per row and group of INT8_GROUP columns, [N, groups] int32:
+    what vpdpbusd (unsigned x codes = q_x + 128) needs to make each group's sum exact."""
+    n, k = q.shape
+    groups = -(-k // INT8_GROUP)
+    padded = F.pad(q, (0, groups * INT8_GROUP - k))
+    return (padded.view(n, groups, INT8_GROUP).sum(-1, dtype=torch.int32) * -128).contiguous()
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,6 +93,7 @@ class WeightOnlyLinear:
         bias: torch.Tensor | None = None,
         compute_dtype: torch.dtype = torch.float32,
         use_kernels: bool | None = None,
+        int8_activations: bool = False,
     ):
         if weight.dim() != 2:
             raise ValueError(f"a linear weight must be a [out, in] matrix, got shape {tuple(weight.shape)}")
@@ -103,6 +115,23 @@ class WeightOnlyLinear:
         # Kept in float32, as the kernels take it; the fallback casts it to the activations' dtype.
         self.bias = bias.float().contiguous() if bias is not None else None
         self.use_kernels = build.available() if use_kernels is None else use_kernels
+        # The AVX-512 variant multiplies bf16 weights in bf16 (vdpbf16ps; oneDNN from
+        # MKL_MIN_ROWS rows, its output rounded to bf16 too): x is rounded to bf16 first, the
+        # sums stay float32. Elsewhere the products are float32's.
+        self.bf16_products = (self.use_kernels and stored_dtype == torch.bfloat16
+                              and build.kernel_info().bf16_dot)
+        # From MKL_MIN_ROWS rows on, bf16 and int8 weights (the latter as bf16 codes x scales)
+        # go to oneDNN's bf16 GEMM there: x and the output rounded to bf16.
+        self.bf16_gemm = (self.use_kernels and stored_dtype in (torch.bfloat16, torch.int8)
+                          and build.kernel_info().bf16_dot)
+        # int8 on VNNI (vpdpbusd): below MKL_MIN_ROWS rows, x is quantized to int8 per group of
+        # INT8_GROUP values (symmetric) and the integer dot product runs on the stored codes;
+        # -128 x the weight's group sums, computed here once, undo vpdpbusd's unsigned offset.
+        self.row_sums: torch.Tensor | None = None
+        if int8_activations and stored_dtype != torch.int8:
+            raise ValueError("int8_activations needs int8 weights")
+        if int8_activations and self.use_kernels and build.kernel_info().int8_dot:
+            self.row_sums = int8_group_corrections(self.weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernels and x.dtype == torch.float32 and x.device.type == "cpu":
@@ -113,7 +142,7 @@ class WeightOnlyLinear:
         """Our C++ kernels: float32 x only."""
         ops = torch.ops.inferlab
         if self.scale is not None:
-            return ops.linear_w8(x, self.weight, self.scale, self.bias, MKL_MIN_ROWS)
+            return ops.linear_w8(x, self.weight, self.scale, self.bias, MKL_MIN_ROWS, self.row_sums)
         return ops.linear_w16(x, self.weight, self.bias, MKL_MIN_ROWS)
 
     def fallback(self, x: torch.Tensor) -> torch.Tensor:
@@ -145,6 +174,7 @@ def make_linear(
     bias: torch.Tensor | None,
     stored_dtype: torch.dtype,
     compute_dtype: torch.dtype,
+    int8_activations: bool = False,
 ) -> DenseLinear | WeightOnlyLinear:
     """DenseLinear when the weight is stored in the compute dtype, else WeightOnlyLinear."""
     if stored_dtype == compute_dtype:
@@ -154,7 +184,7 @@ def make_linear(
             f"weights stored as {stored_dtype} with compute in {compute_dtype}: weight-only storage "
             "is float16, bfloat16 or int8"
         )
-    return WeightOnlyLinear(weight, stored_dtype, bias, compute_dtype)
+    return WeightOnlyLinear(weight, stored_dtype, bias, compute_dtype, int8_activations=int8_activations)
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:

@@ -61,8 +61,15 @@ class DecoderModel:
         weights: dict[str, torch.Tensor],
         dtype: torch.dtype,
         weight_dtype: torch.dtype | None = None,
+        int8_activations: bool = False,
     ):
+        # The kernels are decided and compiled here, at load, whatever the dtype: before the
+        # server answers /health, so no request waits for a compile (~35-70 s).
+        kernels_build.kernel_info()
         self.config = config
+        if int8_activations and weight_dtype != torch.int8:
+            raise ValueError("int8 activations (weight_dtype w8a8) need int8 weights")
+        self.int8_activations = int8_activations  # x quantized per 64 values for vpdpbusd (kernels/linear.py)
         self.dtype = dtype
         self.weight_dtype = dtype if weight_dtype is None else weight_dtype
         c = config
@@ -76,7 +83,7 @@ class DecoderModel:
             return weights[name].to(dtype).contiguous()
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-            return make_linear(weight, bias, self.weight_dtype, dtype)
+            return make_linear(weight, bias, self.weight_dtype, dtype, int8_activations=self.int8_activations)
 
         # The embedding table is stored like the lm_head: a lookup dequantizes only the T rows it
         # gathers, and a tied lm_head then shares the one table (113 MB at float32 for SmolLM2).
@@ -119,7 +126,15 @@ class DecoderModel:
         self.fused_ok = self.step_ok and not c.qk_norm
         self._step: object | None = None  # torch.classes.inferlab.DecoderStep, built on first use
         self._step_caches: list | None = None
-        log.info("%s", self.describe_precision())
+        line = self.describe_precision()
+        if "plain torch, dequantized per call" in line:
+            # No kernel takes this pair on this CPU: say so once, loudly, with the way out
+            # (a per-call dequantize is measured 7-10x slower than dtype auto).
+            log.warning("%s: no fast path for %s weights with %s compute on this CPU (kernels: %s); "
+                        "dtype auto or float32 runs them in our kernels", line, _dtype_name(self.weight_dtype),
+                        _dtype_name(dtype), kernels_build.kernel_info().variant)
+        else:
+            log.info("%s", line)
 
     def describe_precision(self) -> str:
         """One line for the load log: how weights are stored, what multiplies them, compute dtype."""
@@ -128,7 +143,11 @@ class DecoderModel:
         if isinstance(e, DenseLinear):
             how = "F.linear"
         elif e.use_kernels and self.dtype == torch.float32 and e.weight.device.type == "cpu":
-            how = "our AVX2 kernels"
+            how = f"our {kernels_build.kernel_info().variant} kernels"
+            if self.int8_activations:
+                how += ", x quantized to int8 per 64 values, vpdpbusd"
+            elif getattr(e, "bf16_products", False):
+                how += ", bf16 products (vdpbf16ps / oneDNN), float32 sums"
         else:
             why = (kernels_build.unavailable_reason() or "kernels off") if not e.use_kernels else f"{cd} activations"
             how = f"plain torch, dequantized per call: {why}"
@@ -248,7 +267,8 @@ class DecoderModel:
             try:
                 self._step = torch.classes.inferlab.DecoderStep(
                     tensors, self.final_norm, self.cos, self.sin, [k for k, _ in kv_caches],
-                    [v for _, v in kv_caches], [c.num_heads, c.num_kv_heads, c.head_dim, block_size],
+                    [v for _, v in kv_caches],
+                    [c.num_heads, c.num_kv_heads, c.head_dim, block_size, int(self.int8_activations)],
                     c.rms_norm_eps, self.scale)
             except (RuntimeError, ValueError) as e:
                 log.warning("the decode step kernel does not take this model (%s); decode steps run per operator",

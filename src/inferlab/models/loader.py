@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from inferlab.config import CacheConfig, LoadConfig
+from inferlab.config import WEIGHT_DTYPES, CacheConfig, LoadConfig
 from inferlab.kernels import build as kernels_build
 from inferlab.models.dummy_loader import load_dummy
 from inferlab.models.gguf_loader import load_gguf
@@ -19,7 +19,8 @@ from inferlab.models.hf_loader import load_hf_dir
 from inferlab.models.loaded import LoadedModel
 from inferlab.models.registry import detect_format, resolve_model
 
-__all__ = ["LOADERS", "LoadedModel", "load_model", "resolve_dtype", "resolve_kv_dtype", "resolve_weight_dtype"]
+__all__ = ["LOADERS", "LoadedModel", "int8_activations", "load_model", "resolve_dtype", "resolve_kv_dtype",
+           "resolve_weight_dtype"]
 
 # format -> loader(path, dtype, name)
 LOADERS: dict[str, Callable[[Path, torch.dtype, str], LoadedModel]] = {
@@ -31,26 +32,32 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_dtype(dtype: str, device: str | torch.device = "cpu") -> torch.dtype:
-    """LoadConfig.dtype -> torch dtype. "auto": bfloat16 where the hardware computes in it
-    (half the memory traffic of float32, float32's range): a GPU with bf16, a CPU with native
-    bf16 instructions (AVX512-BF16 / AMX, as oneDNN reports). Elsewhere float32 on the CPU —
-    on an AVX2-only CPU, bf16 products are emulated and measured here 4-50x slower than
-    float32 — and float16 on a GPU without bf16."""
+    """LoadConfig.dtype -> torch dtype (of activations, norms, the residual stream).
+
+    "auto" on a CPU where our kernels load (kernels/build.py's one decision): float32, the
+    kernels' activations; the weights are then 16-bit (resolve_weight_dtype), so a decode step
+    still reads half of float32's bytes, and on AVX512-BF16 the products run in bf16
+    (vdpbf16ps, oneDNN) with float32 sums. Measured on Zen 5 the one-call decode step beat bf16
+    F.linear per operator; see kernels/linear.py. Without the kernels: bfloat16 where the CPU
+    has native bf16 (AVX512-BF16 / AMX, as oneDNN reports), else float32 (on an AVX2-only CPU
+    bf16 products are emulated, measured 4-50x slower). A GPU: bfloat16, else float16."""
     if dtype != "auto":
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {dtype!r}")
         return _DTYPES[dtype]
     if torch.device(device).type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if torch.device(device).type == "cpu" and kernels_build.available():
+        return torch.float32
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
-_WEIGHT_DTYPES = {**_DTYPES, "int8": torch.int8}
+_WEIGHT_DTYPES = {**_DTYPES, "int8": torch.int8, "w8a8": torch.int8}
 
 
 def _auto_16bit(load_config: LoadConfig) -> bool:
-    """dtype "auto" computes in float32 on this CPU only for want of native bf16, and our kernels
-    load: what is stored (weights, K/V) may then be 16-bit, converted in registers."""
+    """dtype "auto" computes in float32 on this CPU because our kernels load: what is stored
+    (weights, K/V) is then 16-bit, converted in registers."""
     return (
         load_config.dtype == "auto"
         and resolve_dtype(load_config.dtype, load_config.device) == torch.float32
@@ -73,15 +80,20 @@ def resolve_weight_dtype(load_config: LoadConfig) -> torch.dtype:
     """LoadConfig.weight_dtype -> the dtype the linear layers' weights are stored in
     (torch.int8: weight-only int8 with one scale per output row; see kernels/linear.py).
 
-    "auto": float16 when the compute dtype is float32 on the CPU only because dtype was "auto"
-    (an AVX2 CPU without native bf16) and our kernels load: a decode step reads every weight
-    once, and 16 bits are half the bytes, while float16 keeps 3 more mantissa bits than
-    bfloat16 (weights sit well inside its range). Otherwise the compute dtype, so an explicit
+    "auto": when dtype was "auto" and our kernels load (compute float32), the kernel variant's
+    16-bit type (kernels/build.py KernelInfo.auto_weight_dtype): bfloat16 on AVX512-BF16, whose
+    products vdpbf16ps and oneDNN run at 2-5x float32's rate; float16 on AVX2, where both are
+    widened to float32 anyway and float16 keeps 3 more mantissa bits (weights sit well inside
+    its range). A decode step reads every weight once, and 16 bits are half the bytes. Otherwise the compute dtype, so an explicit
     dtype="float32" (the exact-match tests) still gets float32 weights, and without the kernels
     nothing is slower than before. Weights are never stored wider than they are computed in."""
     compute = resolve_dtype(load_config.dtype, load_config.device)
     if load_config.weight_dtype == "auto":
-        return torch.float16 if _auto_16bit(load_config) else compute
+        return _DTYPES[kernels_build.kernel_info().auto_weight_dtype] if _auto_16bit(load_config) else compute
+    if load_config.weight_dtype == "w8a8" and not kernels_build.kernel_info().int8_dot:
+        have = [w for w in WEIGHT_DTYPES if w != "w8a8"]
+        raise ValueError(f"weight_dtype w8a8 needs the integer dot product of the avx512 kernel variant (VNNI); "
+                         f"this machine's kernels are {kernels_build.kernel_info().variant}: use one of {', '.join(have)}")
     stored = _WEIGHT_DTYPES[load_config.weight_dtype]  # a name LoadConfig has checked
     if stored.itemsize > compute.itemsize:
         raise ValueError(
@@ -89,6 +101,12 @@ def resolve_weight_dtype(load_config: LoadConfig) -> torch.dtype:
             f"{str(compute).removeprefix('torch.')}: store weights in the compute dtype or in fewer bits"
         )
     return stored
+
+
+def int8_activations(load_config: LoadConfig) -> bool:
+    """Whether int8 weights multiply int8-quantized activations (weight_dtype "w8a8", checked
+    by resolve_weight_dtype) rather than float32 ones (weight-only "int8")."""
+    return load_config.weight_dtype == "w8a8"
 
 
 def cpu_has_native_bf16() -> bool:

@@ -22,7 +22,9 @@
 // same order, so the two paths agree to float32 rounding.
 //
 // torch.classes.inferlab.DecoderStep(layer_tensors, final_norm, cos, sin, k_caches, v_caches,
-//                                    [H, kvH, D, block_size], eps, attn_scale)
+//                                    [H, kvH, D, block_size(, int8_activations)], eps, attn_scale)
+//   int8_activations (default 0): int8 weights multiply x quantized per 64 values with vpdpbusd
+//     (the AVX-512 variant; matvec.h's row_products_i8), else float32 products of the codes.
 //   layer_tensors: 13 per layer, in order: input_norm, qkv_w, qkv_scale, qkv_bias, q_norm, k_norm,
 //     o_w, o_scale, post_norm, gate_up_w, gate_up_scale, down_w, down_scale; an empty tensor
 //     (numel 0) for one the model does not have. Weights: one dtype for all (float32, float16,
@@ -44,6 +46,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -61,9 +64,10 @@ constexpr int64_t kTensorsPerLayer = 13;
 constexpr int64_t kSharedNormRows = 4;  // from this many rows on, a norm is split (and ends in a barrier)
 
 struct Linear {
-  at::Tensor w, scale_t, bias_t;  // scale / bias undefined when absent
+  at::Tensor w, scale_t, bias_t, wsum_t;  // scale / bias undefined when absent; wsum: int8 with vpdpbusd
   const float* scale = nullptr;
   const float* bias = nullptr;
+  const int32_t* wsum = nullptr;  // int8 weights' group corrections (the AVX-512 variant), computed once here
   int64_t n = 0, k = 0;
 };
 
@@ -112,8 +116,10 @@ class DecoderStep : public torch::CustomClassHolder {
               double eps, double attn_scale)
       : final_norm_(final_norm), cos_(cos), sin_(sin), k_caches_(k_caches), v_caches_(v_caches),
         eps_(static_cast<float>(eps)), attn_scale_(static_cast<float>(attn_scale)) {
-    TORCH_CHECK_VALUE(dims.size() == 4, "DecoderStep: dims must be [num_heads, num_kv_heads, head_dim, block_size]");
+    TORCH_CHECK_VALUE(dims.size() == 4 || dims.size() == 5,
+                      "DecoderStep: dims must be [num_heads, num_kv_heads, head_dim, block_size(, int8_activations)]");
     heads_ = dims[0], kv_heads_ = dims[1], head_dim_ = dims[2], block_size_ = dims[3];
+    const bool int8_x = dims.size() == 5 && dims[4] != 0;
     TORCH_CHECK_VALUE(heads_ >= 1 && kv_heads_ >= 1 && heads_ % kv_heads_ == 0, "DecoderStep: ", heads_,
                       " query heads are not a multiple of ", kv_heads_, " KV heads");
     TORCH_CHECK_VALUE(head_dim_ >= 2 && head_dim_ % kRowsW == 0, "DecoderStep: head_dim ", head_dim_,
@@ -138,15 +144,15 @@ class DecoderStep : public torch::CustomClassHolder {
       const at::Tensor* t = layer_tensors.data() + l * kTensorsPerLayer;
       Layer ly;
       ly.input_norm = t[0];
-      ly.qkv = linear(t[1], t[2], t[3], qkv_rows, hidden_, "qkv");
+      ly.qkv = linear(t[1], t[2], t[3], qkv_rows, hidden_, "qkv", int8_x);
       ly.q_norm = present(t[4]);
       ly.k_norm = present(t[5]);
-      ly.o = linear(t[6], t[7], at::Tensor(), hidden_, heads_ * head_dim_, "o");
+      ly.o = linear(t[6], t[7], at::Tensor(), hidden_, heads_ * head_dim_, "o", int8_x);
       ly.post_norm = t[8];
       const int64_t two_i = t[9].dim() == 2 ? t[9].size(0) : 0;
       TORCH_CHECK_VALUE(two_i > 0 && two_i % 2 == 0, "DecoderStep: gate_up must have an even number of rows");
-      ly.gate_up = linear(t[9], t[10], at::Tensor(), two_i, hidden_, "gate_up");
-      ly.down = linear(t[11], t[12], at::Tensor(), hidden_, two_i / 2, "down");
+      ly.gate_up = linear(t[9], t[10], at::Tensor(), two_i, hidden_, "gate_up", int8_x);
+      ly.down = linear(t[11], t[12], at::Tensor(), hidden_, two_i / 2, "down", int8_x);
       check_f32(ly.input_norm, "input_norm");
       check_f32(ly.post_norm, "post_norm");
       TORCH_CHECK_VALUE(ly.input_norm.numel() == hidden_ && ly.post_norm.numel() == hidden_,
@@ -225,8 +231,9 @@ class DecoderStep : public torch::CustomClassHolder {
                       "DecoderStep: ", name, " must be a contiguous float32 CPU tensor");
   }
 
+  // int8_x: int8 weights multiply x quantized per 64 values with vpdpbusd (weight_dtype w8a8).
   static Linear linear(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& bias, int64_t n, int64_t k,
-                       const char* name) {
+                       const char* name, bool int8_x) {
     const auto dt = w.scalar_type();
     TORCH_CHECK_VALUE(w.dim() == 2 && w.is_contiguous() && w.size(0) == n && w.size(1) == k, "DecoderStep: ",
                       name, " weight must be a contiguous [", n, ", ", k, "] matrix, got ", w.sizes());
@@ -247,6 +254,14 @@ class DecoderStep : public torch::CustomClassHolder {
     }
     lin.scale = lin.scale_t.defined() ? lin.scale_t.data_ptr<float>() : nullptr;
     lin.bias = lin.bias_t.defined() ? lin.bias_t.data_ptr<float>() : nullptr;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+    if (dt == at::kChar && int8_x) {  // once, at set-up: vpdpbusd's offset correction (matvec.h)
+      lin.wsum_t = i8_group_corrections(w);
+      lin.wsum = lin.wsum_t.data_ptr<int32_t>();
+    }
+#else
+    TORCH_CHECK_VALUE(!int8_x, "DecoderStep: int8 activations need the AVX-512 VNNI kernel variant");
+#endif
     return lin;
   }
 
@@ -267,6 +282,14 @@ class DecoderStep : public torch::CustomClassHolder {
   template <typename T>
   void products(const float* in, int64_t m, const Linear& lin, int64_t r0, int64_t rows, float* y, int64_t ldy,
                 Work& wk) const {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+    if constexpr (std::is_same_v<T, int8_t>) {
+      if (lin.wsum) {
+        row_products_i8(in, m, lin.k, lin.w.data_ptr<int8_t>(), lin.wsum, r0, rows, lin.scale, lin.bias, y, ldy);
+        return;
+      }
+    }
+#endif
     row_products(in, m, lin.k, lin.w.data_ptr<T>(), r0, rows, lin.scale, lin.bias, wk.buf.data(), wk.dots.data(), y,
                  ldy);
   }

@@ -15,8 +15,10 @@
 #include "simd.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 namespace inferlab_matvec {
 
@@ -149,5 +151,279 @@ inline void row_products(const float* x, int64_t M, int64_t K, const T* w, int64
       }
   }
 }
+
+
+#if defined(__AVX512DQ__)
+inline __m256 fold512(__m512 a) {  // 16 lanes -> 8, the sums of the two halves
+  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// ---- bf16 weights with vdpbf16ps (the AVX-512 variant) -------------------------------------
+// Why: with bf16 weights, the float32 path above spends two instructions (widen, FMA) per 8
+// products; vdpbf16ps does 32 per instruction from the stored bytes, once x is rounded to bf16
+// (per call, M x K values: cheap beside the M x K x rows products). Sums stay float32, so a
+// dot differs from the float32 path only by x's rounding (2^-9 relative per element).
+// A block of 4 weight rows is streamed from memory once (prefetched, as above) for the first
+// tile of x rows and re-read from L1 for the rest; 6 rows x 4 weight rows = 24 of the 32 zmm
+// registers hold the sums.
+constexpr int kRowsX16 = 6;
+
+// x (M x K float32, contiguous) rounded to bf16, round to nearest even, into dst (M x K).
+inline void x_to_bf16(const float* x, int64_t n, uint16_t* dst) {
+  int64_t k = 0;
+  for (; k + 32 <= n; k += 32) {
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + k + 16), _mm512_loadu_ps(x + k));
+    _mm512_storeu_si512(dst + k, reinterpret_cast<const __m512i&>(v));
+  }
+  for (; k < n; ++k) dst[k] = at::BFloat16(x[k]).x;
+}
+
+// out[i][j] = dot(x row i, w row j) over K for MB rows of bf16 x and NB (4 or 1) rows of bf16 w;
+// `stream`: the weight block comes from memory (prefetch it ahead), not from L1.
+template <int MB, int NB>
+inline void dot_tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, bool stream,
+                          float out[][kRowsW]) {
+  const char* pf = reinterpret_cast<const char*>(w) + kPrefetchBytes;
+  __m512 acc[MB][NB];
+#pragma GCC unroll 6
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  auto step = [&](auto load) {
+    __m512bh wv[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) {
+      const __m512i v = load(w + j * ldw);
+      wv[j] = reinterpret_cast<const __m512bh&>(v);
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < MB; ++i) {
+      const __m512i v = load(x + i * ldx);
+      const __m512bh xv = reinterpret_cast<const __m512bh&>(v);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  };
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    if (stream) {
+#pragma GCC unroll 4
+      for (int c = 0; c < NB * 64; c += 64) _mm_prefetch(pf + k * NB * 2 + c, _MM_HINT_T0);
+    }
+    step([k](const uint16_t* p) { return _mm512_loadu_si512(p + k); });
+  }
+  if (k < K) {  // K not a multiple of 32: masked loads, the missing lanes zero
+    const __mmask32 mask = static_cast<__mmask32>((uint64_t{1} << (K - k)) - 1);
+    step([k, mask](const uint16_t* p) { return _mm512_maskz_loadu_epi16(mask, p + k); });
+  }
+#pragma GCC unroll 6
+  for (int i = 0; i < MB; ++i) {
+    if constexpr (NB == kRowsW) {
+      _mm_storeu_ps(out[i], hsum4(fold512(acc[i][0]), fold512(acc[i][1]), fold512(acc[i][2]), fold512(acc[i][3])));
+    } else {
+      for (int j = 0; j < NB; ++j) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+    }
+  }
+}
+
+// row_products (above) for bf16 weights: the same contract, the products by vdpbf16ps.
+// A non-template overload, so every caller of row_products with bf16 weights takes it.
+inline void row_products(const float* x, int64_t M, int64_t K, const at::BFloat16* w, int64_t r0, int64_t rows,
+                         const float* scale, const float* bias, float* /*buf*/, float* dots, float* y, int64_t ldy) {
+  thread_local std::vector<uint16_t> xb;  // per thread, grown once
+  if (xb.size() < static_cast<size_t>(M * K)) xb.resize(M * K);
+  x_to_bf16(x, M * K, xb.data());
+  const uint16_t* wb = reinterpret_cast<const uint16_t*>(w);
+  for (int64_t b = 0; b < rows; b += kRowsW) {
+    const int nb = static_cast<int>(std::min<int64_t>(kRowsW, rows - b));
+    const uint16_t* wp = wb + (r0 + b) * K;
+    auto tile = [&](auto mb_tag, int64_t m) {
+      constexpr int MB = decltype(mb_tag)::value;
+      auto* o = reinterpret_cast<float(*)[kRowsW]>(dots + m * kRowsW);
+      if (nb == kRowsW) {
+        dot_tile_bf16<MB, kRowsW>(xb.data() + m * K, K, wp, K, K, m == 0, o);
+      } else {
+        for (int j = 0; j < nb; ++j) {
+          float one[MB][kRowsW];
+          dot_tile_bf16<MB, 1>(xb.data() + m * K, K, wp + j * K, K, K, m == 0, one);
+          for (int i = 0; i < MB; ++i) o[i][j] = one[i][0];
+        }
+      }
+    };
+    int64_t m = 0;
+    for (; m + kRowsX16 <= M; m += kRowsX16) tile(std::integral_constant<int, kRowsX16>{}, m);
+    switch (M - m) {
+      case 5: tile(std::integral_constant<int, 5>{}, m); break;
+      case 4: tile(std::integral_constant<int, 4>{}, m); break;
+      case 3: tile(std::integral_constant<int, 3>{}, m); break;
+      case 2: tile(std::integral_constant<int, 2>{}, m); break;
+      case 1: tile(std::integral_constant<int, 1>{}, m); break;
+      default: break;
+    }
+    for (int64_t i = 0; i < M; ++i)
+      for (int j = 0; j < nb; ++j) {
+        const int64_t r = r0 + b + j;
+        float v = dots[i * kRowsW + j];
+        if (scale) v *= scale[r];
+        if (bias) v += bias[r];
+        y[i * ldy + b + j] = v;
+      }
+  }
+}
+#endif  // __AVX512BF16__
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+// ---- int8 weights with vpdpbusd (the AVX-512 variant) --------------------------------------
+// Why: int8 weights are a quarter of float32's bytes, and converting them to float32 in
+// registers (above) costs 3 instructions per 8 products; vpdpbusd does 64 per instruction.
+// x is quantized on the fly in groups of 64 values (one vpdpbusd's worth), symmetric:
+// s = max|x_group| / 127, q = round(x / s) in [-127, 127]. Per group, not per row: one scale
+// per row let an outlier channel crush the rest, and on SmolLM2 greedy tokens parted from
+// float32's within 1-2 tokens on 3 of 4 prompts. vpdpbusd multiplies unsigned by signed bytes,
+// so x is stored as u = q + 128, and dot(u, w) = dot(q, w) + 128 * sum(w_group): the weight's
+// per-group sums, times -128, computed once at load (`corr`, [N, groups] int32), start each
+// group's integer sum, which is then exact; y = sum_g dot_g * s_g (float32) * w's row scale.
+
+constexpr int64_t kI8Group = 64;  // k values per group = bytes per vpdpbusd
+constexpr int kRowsXI8 = 4;      // 4 x 4 float sums + 4 weights + 4 corrections: 28 of 32 zmm
+
+inline int64_t i8_groups(int64_t K) { return (K + kI8Group - 1) / kI8Group; }
+
+// One row of x as u8 codes, padded to whole groups with 128 (q = 0), and its group scales.
+inline void quantize_row_u8(const float* x, int64_t K, uint8_t* dst, float* scales) {
+  const __m512i off = _mm512_set1_epi32(128);
+  for (int64_t g = 0; g * kI8Group < K; ++g) {
+    const int64_t k0 = g * kI8Group, n = std::min(kI8Group, K - k0);
+    const float* xg = x + k0;
+    float amax = 0.f;
+    if (n == kI8Group) {
+      __m512 mx = _mm512_abs_ps(_mm512_loadu_ps(xg));
+      for (int c = 16; c < kI8Group; c += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(xg + c)));
+      amax = _mm512_reduce_max_ps(mx);
+    } else {
+      for (int64_t c = 0; c < n; ++c) amax = std::max(amax, std::fabs(xg[c]));
+    }
+    scales[g] = amax / 127.f;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    uint8_t* d = dst + k0;
+    if (n == kI8Group) {
+      const __m512 iv = _mm512_set1_ps(inv);
+      for (int c = 0; c < kI8Group; c += 16) {  // round to nearest even (MXCSR's default), + 128
+        const __m512i q = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + c), iv)), off);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(d + c), _mm512_cvtepi32_epi8(q));
+      }
+    } else {
+      for (int64_t c = 0; c < n; ++c) d[c] = static_cast<uint8_t>(std::nearbyint(xg[c] * inv) + 128.f);
+      for (int64_t c = n; c < kI8Group; ++c) d[c] = 128;
+    }
+  }
+}
+
+// out[i][j] = sum_g dot_g(q row i, w row j) * sx[i][g] for MB rows of u8 x (stride ldx, scales
+// sx + i * groups) and NB (4 or 1) rows of int8 w (stride ldw, corrections corr + j * groups);
+// the weight's tail past K is masked to zero.
+template <int MB, int NB>
+inline void dot_tile_i8(const uint8_t* x, int64_t ldx, const float* sx, const int8_t* w, int64_t ldw,
+                        const int32_t* corr, int64_t K, bool stream, float out[][kRowsW]) {
+  const int64_t groups = i8_groups(K);
+  const char* pf = reinterpret_cast<const char*>(w) + kPrefetchBytes;
+  __m512 acc[MB][NB];
+#pragma GCC unroll 4
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t k = g * kI8Group;
+    __m512i wv[NB], c0[NB];
+    if (k + kI8Group <= K) {
+      if (stream) {
+#pragma GCC unroll 4
+        for (int c = 0; c < NB * 64; c += 64) _mm_prefetch(pf + k * NB + c, _MM_HINT_T0);
+      }
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(w + j * ldw + k);
+    } else {
+      const __mmask64 mask = (__mmask64{1} << (K - k)) - 1;
+      for (int j = 0; j < NB; ++j) wv[j] = _mm512_maskz_loadu_epi8(mask, w + j * ldw + k);
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) c0[j] = _mm512_zextsi128_si512(_mm_cvtsi32_si128(corr[j * groups + g]));
+#pragma GCC unroll 4
+    for (int i = 0; i < MB; ++i) {
+      const __m512i xv = _mm512_loadu_si512(x + i * ldx + k);
+      const __m512 sv = _mm512_set1_ps(sx[i * groups + g]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j)
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c0[j], xv, wv[j])), sv, acc[i][j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < MB; ++i) {
+    if constexpr (NB == kRowsW) {
+      _mm_storeu_ps(out[i], hsum4(fold512(acc[i][0]), fold512(acc[i][1]), fold512(acc[i][2]), fold512(acc[i][3])));
+    } else {
+      for (int j = 0; j < NB; ++j) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+    }
+  }
+}
+
+// row_products for int8 weights by vpdpbusd: y[i * ldy + r] = (x row i . w row r0 + r, x
+// quantized per group) * scale[r0 + r] + bias[r0 + r]; corr: [N, i8_groups(K)] (see above).
+inline void row_products_i8(const float* x, int64_t M, int64_t K, const int8_t* w, const int32_t* corr, int64_t r0,
+                            int64_t rows, const float* scale, const float* bias, float* y, int64_t ldy) {
+  thread_local std::vector<uint8_t> xq;  // per thread, grown once
+  thread_local std::vector<float> sx;
+  thread_local std::vector<float> dots;
+  const int64_t groups = i8_groups(K), ldx = groups * kI8Group;
+  if (xq.size() < static_cast<size_t>(M * ldx)) xq.resize(M * ldx);
+  if (sx.size() < static_cast<size_t>(M * groups)) sx.resize(M * groups);
+  if (dots.size() < static_cast<size_t>(M * kRowsW)) dots.resize(M * kRowsW);
+  for (int64_t i = 0; i < M; ++i) quantize_row_u8(x + i * K, K, xq.data() + i * ldx, sx.data() + i * groups);
+  for (int64_t b = 0; b < rows; b += kRowsW) {
+    const int nb = static_cast<int>(std::min<int64_t>(kRowsW, rows - b));
+    const int8_t* wp = w + (r0 + b) * K;
+    const int32_t* cp = corr + (r0 + b) * groups;
+    auto tile = [&](auto mb_tag, int64_t m) {
+      constexpr int MB = decltype(mb_tag)::value;
+      auto* o = reinterpret_cast<float(*)[kRowsW]>(dots.data() + m * kRowsW);
+      const uint8_t* xm = xq.data() + m * ldx;
+      const float* sm = sx.data() + m * groups;
+      if (nb == kRowsW) {
+        dot_tile_i8<MB, kRowsW>(xm, ldx, sm, wp, K, cp, K, m == 0, o);
+      } else {
+        for (int j = 0; j < nb; ++j) {
+          float one[MB][kRowsW];
+          dot_tile_i8<MB, 1>(xm, ldx, sm, wp + j * K, K, cp + j * groups, K, m == 0, one);
+          for (int i = 0; i < MB; ++i) o[i][j] = one[i][0];
+        }
+      }
+    };
+    int64_t m = 0;
+    for (; m + kRowsXI8 <= M; m += kRowsXI8) tile(std::integral_constant<int, kRowsXI8>{}, m);
+    switch (M - m) {
+      case 3: tile(std::integral_constant<int, 3>{}, m); break;
+      case 2: tile(std::integral_constant<int, 2>{}, m); break;
+      case 1: tile(std::integral_constant<int, 1>{}, m); break;
+      default: break;
+    }
+    for (int64_t i = 0; i < M; ++i)
+      for (int j = 0; j < nb; ++j) {
+        const int64_t r = r0 + b + j;
+        float v = dots[i * kRowsW + j] * scale[r];
+        if (bias) v += bias[r];
+        y[i * ldy + b + j] = v;
+      }
+  }
+}
+
+// corr for row_products_i8: -128 x each group's sum of w's codes, [N, i8_groups(K)] int32.
+inline at::Tensor i8_group_corrections(const at::Tensor& w) {
+  const int64_t n = w.size(0), k = w.size(1), g = i8_groups(k);
+  at::Tensor padded = at::constant_pad_nd(w, {0, g * kI8Group - k}, 0);
+  return padded.view({n, g, kI8Group}).sum(-1, false, at::kInt).mul_(-128).contiguous();
+}
+#endif  // __AVX512VNNI__
 
 }  // namespace inferlab_matvec
