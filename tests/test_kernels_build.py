@@ -70,7 +70,6 @@ def test_the_kernels_are_decided_at_load_not_at_the_first_request(tmp_path, monk
     """The model's construction decides (and builds) the kernels, whatever the dtype: a bf16
     model would otherwise first ask at its first decode, and that request waited for the compile."""
     import torch
-
     from safetensors.torch import load_file
 
     from inferlab.models.decoder import DecoderModel
