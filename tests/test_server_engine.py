@@ -321,3 +321,13 @@ def test_the_course_request_on_the_default_model():
         assert t["cache_n"] == 0 and t["prompt_n"] == data["usage"]["prompt_tokens"]
         assert t["predicted_n"] == data["usage"]["completion_tokens"] and t["predicted_per_second"] > 0
         assert httpx.get(srv.url("/v1/models")).json()["data"][0]["id"] == "SmolLM2-135M-Instruct"
+
+
+def test_server_info_reports_the_engines_decisions(srv):
+    info = httpx.get(srv.url("/server_info")).json()
+    assert info["served_model_names"] == ["tiny"] and info["max_model_len"] == 512
+    p = info["precision"]
+    assert (p["compute"], p["weights"], p["kv_cache"]) == ("float32", "float32", "float32")  # tiny_config: float32
+    assert p["summary"].startswith("weights float32")
+    assert info["kv_cache"] == {"num_blocks": 64, "block_size": 16, "prefix_caching": True}
+    assert info["kernels"]["variant"] in ("avx512", "avx2", "none") and "cpu_flags" in info["kernels"]

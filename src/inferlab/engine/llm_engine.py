@@ -10,6 +10,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -89,6 +90,31 @@ class LLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.scheduler_config.max_model_len
+
+    def info(self) -> dict[str, Any]:
+        """What this engine decided, for `GET /server_info` and the benchmarks that read it
+        instead of guessing from flags: precision, kernels, KV cache, limits."""
+        from inferlab.kernels import build as kernels_build
+        from inferlab.models.decoder import dtype_name
+
+        model = self.runner.model
+        return {
+            "model": self.model_name,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.scheduler_config.max_num_seqs,
+            "max_num_batched_tokens": self.scheduler_config.max_num_batched_tokens,
+            "precision": {
+                "compute": dtype_name(model.dtype),
+                "weights": dtype_name(model.weight_dtype),
+                "kv_cache": dtype_name(self.runner.kv_dtype),
+                "int8_activations": bool(getattr(model, "int8_activations", False)),
+                "summary": model.describe_precision(),
+            },
+            "kv_cache": {"num_blocks": self.num_blocks, "block_size": self.cache_config.block_size,
+                         "prefix_caching": self.cache_config.enable_prefix_caching},  # fmt: skip
+            "kernels": kernels_build.kernel_info().as_dict(),
+            "device": str(self.runner.device),
+        }
 
     @property
     def max_num_seqs(self) -> int:

@@ -131,14 +131,14 @@ class DecoderModel:
             # No kernel takes this pair on this CPU: say so once, loudly, with the way out
             # (a per-call dequantize is measured 7-10x slower than dtype auto).
             log.warning("%s: no fast path for %s weights with %s compute on this CPU (kernels: %s); "
-                        "dtype auto or float32 runs them in our kernels", line, _dtype_name(self.weight_dtype),
-                        _dtype_name(dtype), kernels_build.kernel_info().variant)
+                        "dtype auto or float32 runs them in our kernels", line, dtype_name(self.weight_dtype),
+                        dtype_name(dtype), kernels_build.kernel_info().variant)
         else:
             log.info("%s", line)
 
     def describe_precision(self) -> str:
         """One line for the load log: how weights are stored, what multiplies them, compute dtype."""
-        wd, cd = _dtype_name(self.weight_dtype), _dtype_name(self.dtype)
+        wd, cd = dtype_name(self.weight_dtype), dtype_name(self.dtype)
         e = self.embed
         if isinstance(e, DenseLinear):
             how = "F.linear"
@@ -283,5 +283,6 @@ class DecoderModel:
         return self.lm_head(hidden).float()
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """"torch.bfloat16" -> "bfloat16": the name the flags and the logs use."""
     return str(dtype).removeprefix("torch.")

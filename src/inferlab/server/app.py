@@ -160,6 +160,15 @@ def build_app(
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/server_info", dependencies=guarded)
+    async def server_info() -> JSONResponse:
+        """The engine's own decisions (precision, kernels, KV cache), once it is loaded."""
+        engine = llm.engine
+        if engine is None or not llm.ready:
+            raise ApiError(503, "Loading model", "unavailable_error", headers={"Retry-After": "5"})
+        info = engine.info() if hasattr(engine, "info") else {"model": engine.model_name}
+        return JSONResponse({**info, "served_model_names": list(serving.model_names())})
+
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> JSONResponse:
         return JSONResponse(serving.models())
