@@ -15,6 +15,7 @@ import torch
 
 from inferlab.config import EngineConfig
 from inferlab.engine.errors import ContextLengthError
+from inferlab.engine.heap import HeapTrimmer
 from inferlab.engine.model_runner import ModelRunner
 from inferlab.engine.output_processor import OutputProcessor
 from inferlab.engine.outputs import ModelRunnerOutput, SchedulerOutput, SchedulerStats
@@ -65,6 +66,7 @@ class LLMEngine:
         # Called after every forward pass with (SchedulerOutput, ModelRunnerOutput): profiling
         # and the planner's calibration record step shapes and times through it.
         self.step_observer: Callable[[SchedulerOutput, ModelRunnerOutput], None] | None = None
+        self.heap_trimmer = HeapTrimmer(config.heap_trim_interval_s)
 
     @property
     def max_model_len(self) -> int:
@@ -175,6 +177,7 @@ class LLMEngine:
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         outputs.extend(step_outputs)
+        self.heap_trimmer.after_step(idle=not self.scheduler.has_unfinished_requests())
         return outputs
 
     def new_request_id(self) -> str:
