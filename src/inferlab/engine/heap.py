@@ -8,7 +8,8 @@ live ones stay resident, the next step's differently sized tensors split them ag
 creeps toward the sum of every arena's high-water mark. `malloc_trim(0)` returns the free pages
 of every arena (including those in the middle). Called when the engine goes idle and at most
 once per `interval_s` while it is busy, it keeps RSS near live memory plus a step's
-activations, for a fraction of a millisecond per call.
+activations. A call walks every arena: 18 ms on average (67 ms at most) for SmolLM2-135M on a
+loaded 2-core machine, so every 5 s it costs under 0.5% of the engine's time.
 
 A no-op where the C library has no `malloc_trim` (musl, macOS).
 """
