@@ -355,3 +355,28 @@ def test_w8a8_needs_vnni_and_says_what_this_machine_has(monkeypatch):
     assert resolve_weight_dtype(LoadConfig(weight_dtype="w8a8")) == torch.int8
     with pytest.raises(ValueError, match="needs int8 weights"):
         WeightOnlyLinear(_weight(4, 8), torch.float16, int8_activations=True)
+
+
+def test_16bit_products_see_few_row_counts(monkeypatch):
+    """oneDNN caches one ~0.6 MB primitive per GEMM shape (up to 1024): 16-bit linears on the CPU
+    pad their rows to a bucket, so 1..300-token steps make a few dozen shapes, not 300."""
+    from inferlab.kernels import linear as lin
+
+    seen: set[int] = set()
+    real = lin.F.linear
+
+    def spy(x, w, b=None):
+        seen.add(x.shape[0])
+        return real(x, w, b)
+
+    monkeypatch.setattr(lin.F, "linear", spy)
+    w = torch.randn(48, 32).bfloat16()
+    layer = lin.DenseLinear(w)
+    for m in range(1, 301):
+        x = torch.randn(m, 32).bfloat16()
+        y = layer(x)
+        assert y.shape == (m, 48)
+        if m in (1, 7, 77, 300):
+            assert torch.equal(y, real(x, w))  # rows are independent: padding changes none of them
+    assert len(seen) <= 40
+    assert all(0 <= lin.bucket_rows(m) - m < max(8, m // 8) for m in range(1, 5000))  # <= 12.5% extra, or < 8 rows

@@ -115,6 +115,33 @@ def test_deadline_aborts_and_raises():
         llm.shutdown(5)
 
 
+def test_finished_and_aborted_requests_leave_no_deadline_behind():
+    """Every request with a timeout pushes a deadline; one that finishes or is aborted long
+    before it must not keep its entry until the deadline passes (a server under a one-hour
+    timeout held an hour of arrivals)."""
+    llm, holder = make_llm(request_timeout=3600.0, max_num_seqs=8)
+    try:
+
+        async def one(i: int) -> None:
+            stream = await llm.add_request(f"r{i}", "hi", SamplingParams(max_tokens=4 if i % 3 else 50))
+            async for _out in stream:
+                if i % 3 == 0:  # a client that goes away after the first chunk
+                    stream.abort()
+                    break
+
+        async def go():
+            for start in range(0, 120, 8):
+                await asyncio.gather(*(one(i) for i in range(start, start + 8)))
+
+        run(go())
+        eng = holder["engine"]
+        wait_until(lambda: llm.num_in_flight == 0 and not eng.has_unfinished_requests(), what="all requests done")
+        wait_until(lambda: len(llm._deadlines) <= 16, what="stale deadlines dropped")
+        assert not llm._requests
+    finally:
+        llm.shutdown(5)
+
+
 def test_queue_limit_rejects_then_recovers():
     llm, _ = make_llm(step_delay=0.01, max_num_seqs=1, max_queue_len=1)
     try:

@@ -137,3 +137,6 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = None  # torch intra-op threads; None = all cores
+    # Seconds between returns of the C heap's free pages to the OS while busy (and at every idle
+    # point); None = never. Bounds RSS growth from fragmentation (see engine/heap.py).
+    heap_trim_interval_s: float | None = 5.0

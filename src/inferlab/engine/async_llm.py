@@ -465,6 +465,8 @@ class AsyncLLM:
                 self._expire(deliveries)
             if engine.has_unfinished_requests():
                 self._step(deliveries)
+            if len(self._deadlines) > 2 * len(self._requests) + 16:
+                self._prune_deadlines()
             self._refresh_stats()  # first: readers woken by the outputs see this step's counts
             if deliveries:  # before the next step, let the event loop take them (HANDOFF_WAIT_S)
                 self._flush(deliveries, wait=engine.has_unfinished_requests())
@@ -554,6 +556,13 @@ class AsyncLLM:
                 self._cond.notify_all()
         if live and self.observer is not None:
             self._observe(self.observer.on_outputs, live, now)
+
+    def _prune_deadlines(self) -> None:
+        """Drop the deadlines of requests that have left: otherwise each stays in the heap until
+        it passes (request_timeout x arrival rate entries). Called only once stale entries
+        outnumber live ones, so the rebuild costs O(1) per request."""
+        self._deadlines = [d for d in self._deadlines if d[2] in self._requests]
+        heapq.heapify(self._deadlines)
 
     def _finish(self, t: _Tracked, error: BaseException, deliveries: dict) -> None:
         """End a request with an error; the caller has already removed it from `_requests`."""

@@ -17,6 +17,7 @@ import torch
 from inferlab.config import EngineConfig
 from inferlab.engine.detokenizer import IncrementalDetokenizer
 from inferlab.engine.errors import ContextLengthError
+from inferlab.engine.heap import HeapTrimmer
 from inferlab.engine.model_runner import ModelRunner
 from inferlab.engine.output_processor import OutputProcessor
 from inferlab.engine.outputs import ModelRunnerOutput, SchedulerOutput, SchedulerStats
@@ -69,6 +70,7 @@ class LLMEngine:
         # Called after every forward pass with (SchedulerOutput, ModelRunnerOutput): profiling
         # and the planner's calibration record step shapes and times through it.
         self.step_observer: Callable[[SchedulerOutput, ModelRunnerOutput], None] | None = None
+        self.heap_trimmer = HeapTrimmer(config.heap_trim_interval_s)
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -238,6 +240,7 @@ class LLMEngine:
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         outputs.extend(step_outputs)
+        self.heap_trimmer.after_step(idle=not self.scheduler.has_unfinished_requests())
         return outputs
 
     def new_request_id(self) -> str:

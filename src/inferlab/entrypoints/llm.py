@@ -44,6 +44,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         seed: int = 0,
         num_threads: int | None = None,
+        heap_trim_interval_s: float | None = 5.0,
         hf_config_path: str | None = None,
         device: str = "cpu",
     ):
@@ -72,6 +73,7 @@ class LLM:
                 long_prefill_token_threshold=long_prefill_token_threshold,
             ),
             num_threads=num_threads,
+            heap_trim_interval_s=heap_trim_interval_s,
         )
         self.engine = LLMEngine(config)
 

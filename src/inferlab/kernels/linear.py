@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from inferlab.kernels import build
 
-__all__ = ["DenseLinear", "WeightOnlyLinear", "make_linear", "quantize_int8"]
+__all__ = ["DenseLinear", "WeightOnlyLinear", "bucket_rows", "linear", "make_linear", "quantize_int8"]
 
 # The storage dtypes WeightOnlyLinear takes; torch.int8 means symmetric per-output-row scales.
 STORED_DTYPES = (torch.float16, torch.bfloat16, torch.int8)
@@ -43,6 +43,34 @@ def int8_group_corrections(q: torch.Tensor) -> torch.Tensor:
     groups = -(-k // INT8_GROUP)
     padded = F.pad(q, (0, groups * INT8_GROUP - k))
     return (padded.view(n, groups, INT8_GROUP).sum(-1, dtype=torch.int32) * -128).contiguous()
+
+
+# torch's 16-bit GEMMs on the CPU go to oneDNN, which builds one primitive per (M, N, K) and keeps
+# it in a cache of up to 1024 (~0.6 MB each for SmolLM2-135M's shapes, heaptrack). A step's
+# token count is its M, and under varied traffic almost every step brings a new one: ~0.6 GB of
+# RSS before the cache is full. Padding M up to one of 8 buckets per power of two (at most 12.5%
+# extra rows, or 7 below 64 rows) leaves ~48 Ms up to 2048 rows, so the cache stays at a few hundred primitives.
+ONEDNN_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def bucket_rows(m: int) -> int:
+    """`m` rounded up to a multiple of max(8, 2**(bit_length(m) - 4)): 8, 16, .., 128, 144, .., 256, 288, .."""
+    step = max(8, 1 << max(m.bit_length() - 4, 0))
+    return -(-m // step) * step
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; a 16-bit product on the CPU gets its rows zero-padded to `bucket_rows` first (rows
+    are independent: the padding only adds rows of output, which are dropped)."""
+    if x.dtype not in ONEDNN_DTYPES or x.device.type != "cpu" or x.dim() != 2:
+        return F.linear(x, weight, bias)
+    m = x.shape[0]
+    padded = bucket_rows(m)
+    if padded == m:
+        return F.linear(x, weight, bias)
+    xp = x.new_zeros((padded, x.shape[1]))
+    xp[:m] = x
+    return F.linear(xp, weight, bias)[:m]
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +95,7 @@ class DenseLinear:
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of the weight (an embedding lookup when the matrix is a tied lm_head)."""
@@ -148,7 +176,7 @@ class WeightOnlyLinear:
     def fallback(self, x: torch.Tensor) -> torch.Tensor:
         """Plain torch, same math: the weight dequantized to x's dtype, then F.linear."""
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.dequantized(x.dtype), bias)
+        return linear(x, self.dequantized(x.dtype), bias)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as the products see it: codes x scales for int8, the 16-bit values as is."""

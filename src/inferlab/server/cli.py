@@ -88,6 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--log-prompts", action="store_true", help="include prompt text in the request log lines")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--heap-trim-interval", type=float, default=5.0,
+                   help="seconds between returns of freed C-heap pages to the OS while busy, and at every idle "
+                        "point (default 5; a negative value turns it off)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])  # fmt: skip
 
 
@@ -109,6 +112,7 @@ def _engine_config(args: argparse.Namespace):
         ),
         scheduler=SchedulerConfig(**sched),
         num_threads=args.num_threads,
+        heap_trim_interval_s=args.heap_trim_interval if args.heap_trim_interval >= 0 else None,
     )
 
 
