@@ -69,8 +69,9 @@ def run(args: argparse.Namespace) -> int:
     per_step = max(1, args.batch_size // n_ctx)
     t_load = time.perf_counter() - t0
     log = sys.stderr if args.json else sys.stdout
+    precision = llm.engine.runner.model.describe_precision()
     print(f"perplexity: {len(tokens)} tokens, {chunking.n_chunks} chunks of {n_ctx}, {chunking.scored_per_chunk} "
-          f"scored per chunk, {per_step} chunks per step", file=sys.stderr)
+          f"scored per chunk, {per_step} chunks per step; {precision}", file=sys.stderr)
 
     from tqdm import tqdm
 
@@ -112,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"perplexity: saved the base distribution (top {args.kld_top_k}) to {args.kl_divergence_base}", file=sys.stderr)
     result = {
         "model": llm.engine.model_name,
+        "precision": precision,
         "tokens": len(tokens),
         "n_ctx": n_ctx,
         "chunks": chunking.n_chunks,
