@@ -76,8 +76,11 @@ def token_stats(rows_q: np.ndarray, targets: np.ndarray, base: BaseRows) -> Toke
     rest_p = base.rest_logprob.astype(np.float64)
     has_rest = np.isfinite(rest_p)
     if has_rest.any():
+        # Q's rest mass as its whole row's total minus its top-K part: float32 rows sum to 1
+        # only within ~1e-6, and "1 - top" would put that error into a small rest bin.
+        q_all = np.exp(rows_q[has_rest].astype(np.float64)).sum(axis=1)
         q_top = np.exp(lq[has_rest]).sum(axis=1)
-        rest_q = np.log(np.clip(1.0 - q_top, 1e-30, None))
+        rest_q = np.log(np.clip(q_all - q_top, 1e-300, None))
         r = rest_p[has_rest]
         kld[has_rest] += np.exp(r) * (r - rest_q)
     nll = -rows_q[np.arange(n), targets].astype(np.float64)
