@@ -13,8 +13,6 @@ import math
 import sys
 import time
 
-import numpy as np
-
 from inferlab.config import WEIGHT_DTYPES
 
 
@@ -84,8 +82,7 @@ def run(args: argparse.Namespace) -> int:
         n = score.index + 1
         if base is not None:
             s = chunking.scored_per_chunk
-            sl = slice(score.index * s, n * s)
-            kacc.add(token_stats(score.rows, score.targets, type(base)(*(getattr(base, k)[sl] for k in base.__dataclass_fields__))))
+            kacc.add(token_stats(score.rows, score.targets, base.rows(score.index * s, n * s)))
             sm = kacc.summary()
             line.append(f"{n:4d}    {sm.ppl[0]:9.4f} \u00b1 {sm.ppl[1]:9.4f}    {sm.ln_ppl_ratio[0]:10.5f} \u00b1 "
                         f"{sm.ln_ppl_ratio[1]:10.5f}    {sm.kld[0]:10.5f} \u00b1 {sm.kld[1]:10.5f}    "
@@ -108,8 +105,7 @@ def run(args: argparse.Namespace) -> int:
     if saving:
         from inferlab.quality.kld import BaseRows
 
-        rows = BaseRows(*(np.concatenate([getattr(r, k) for r in saved]) for k in BaseRows.__dataclass_fields__))
-        save_base(args.kl_divergence_base, identity, rows, args.kld_top_k)
+        save_base(args.kl_divergence_base, identity, BaseRows.concat(saved), args.kld_top_k)
         print(f"perplexity: saved the base distribution (top {args.kld_top_k}) to {args.kl_divergence_base}", file=sys.stderr)
     result = {
         "model": llm.engine.model_name,

@@ -33,6 +33,15 @@ class BaseRows:
     rest_logprob: np.ndarray  # float32 [n]: log of the mass outside the top K (-inf: none)
     nll: np.ndarray  # float32 [n]: -log p_base(actual token)
 
+    def rows(self, start: int, stop: int) -> BaseRows:
+        return BaseRows(self.top_ids[start:stop], self.top_logprobs[start:stop], self.rest_logprob[start:stop],
+                        self.nll[start:stop])
+
+    @staticmethod
+    def concat(parts: list[BaseRows]) -> BaseRows:
+        return BaseRows(*(np.concatenate([getattr(p, k) for p in parts])
+                          for k in ("top_ids", "top_logprobs", "rest_logprob", "nll")))
+
 
 def base_rows(rows: np.ndarray, targets: np.ndarray, top_k: int) -> BaseRows:
     """Summarize whole log-softmax rows [n, V] (float32) to what the base file keeps."""
