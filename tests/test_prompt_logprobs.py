@@ -135,4 +135,21 @@ def test_prompt_logprobs_range_is_checked():
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=21)
     with pytest.raises(ValueError, match="prompt_logprobs"):
-        SamplingParams(prompt_logprobs=-1)
+        SamplingParams(prompt_logprobs=-2)  # -1 is whole rows (below)
+
+
+@pytest.mark.parametrize("engine_kw", [{}, {"max_num_batched_tokens": 16}], ids=["whole", "budget16"])
+def test_prompt_logprobs_minus_one_gives_whole_rows(llama_dir, reference, engine_kw):
+    """prompt_logprobs=-1: the prompt token's logprob alone in the entries, and every position's
+    whole log-softmax row (what perplexity's KL divergence reads), however the prefill was cut."""
+    llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=256, **engine_kw)
+    batch = prompts(3, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=-1)
+    outs = llm.generate(batch + [batch[0]], [params] * 3 + [SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)])
+    for prompt, out in zip(batch, outs):
+        ref = reference(prompt)
+        assert_matches(out.prompt_logprobs, prompt, ref, k=0)
+        rows = out.prompt_logprob_rows
+        assert rows is not None and rows.shape == (len(prompt) - 1, ref.shape[1])
+        assert torch.allclose(torch.from_numpy(rows), ref[:-1], atol=1e-4)
+    assert outs[3].prompt_logprob_rows is None

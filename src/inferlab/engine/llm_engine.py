@@ -234,6 +234,8 @@ class LLMEngine:
             self.step_observer(so, ro)
         if ro.prompt_logprobs:
             self.output_processor.add_prompt_logprobs(ro.prompt_logprobs)
+        if ro.prompt_logprob_rows:
+            self.output_processor.add_prompt_logprob_rows(ro.prompt_logprob_rows)
         core = self.scheduler.update_from_output(so, ro)
         now = time.monotonic()
         step_outputs, stopped = self.output_processor.process(core, now)

@@ -96,12 +96,12 @@ class ModelRunner:
                                                   for t in (input_ids, positions, sample_index))
             meta = meta_to(meta, self.device)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
-        prompt_lps = None
+        prompt_lps = prompt_rows = None
         if any(s.sampling_params.prompt_logprobs is not None for s in ordered):  # only requests asking pay
-            prompt_lps = self._prompt_logprobs(hidden, ordered)
+            prompt_lps, prompt_rows = self._prompt_logprobs(hidden, ordered)
         sampled_rows = [s for s in ordered if s.sample]
         if not sampled_rows:
-            return ModelRunnerOutput([], [], None, time.perf_counter() - t0, prompt_lps)
+            return ModelRunnerOutput([], [], None, time.perf_counter() - t0, prompt_lps, prompt_rows or None)
         logits = self.model.compute_logits(hidden.index_select(0, sample_index))
         if self.device.type != "cpu":
             logits = logits.cpu()  # the sampler (penalties, seeds, logprobs) runs on the host
@@ -111,16 +111,18 @@ class ModelRunner:
         ids = [s.request_id for s in so.scheduled if s.sample]
         toks = [out.token_ids[by_id[r]] for r in ids]
         lps = [out.logprobs[by_id[r]] for r in ids] if out.logprobs is not None else None
-        return ModelRunnerOutput(ids, toks, lps, time.perf_counter() - t0, prompt_lps)
+        return ModelRunnerOutput(ids, toks, lps, time.perf_counter() - t0, prompt_lps, prompt_rows or None)
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, ordered: list[ScheduledRequest]
-    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+    ) -> tuple[dict[str, tuple[int, list[TokenLogprobs]]], dict[str, tuple[int, object]]]:
         """Prompt logprobs from this step's own hidden states (no second pass): for each chunk of
         a request that asked, the log-softmax of the lm_head output at every row that predicts
         a prompt token (row j of a chunk at start_pos predicts the token at start_pos + j + 1),
         raw like the sampler's logprobs (no temperature or penalties). Rows follow `ordered`,
-        the flat batch's order. Returns request id → (first position predicted, entries)."""
+        the flat batch's order. Returns request id → (first position predicted, entries), and
+        for requests with prompt_logprobs=-1 request id → (that position, the whole rows as a
+        float32 numpy array): perplexity's KL divergence needs every token's probability."""
         spans: list[tuple[ScheduledRequest, int, int]] = []  # (request, its first row, rows that predict prompt tokens)
         row = 0
         for s in ordered:
@@ -131,13 +133,15 @@ class ModelRunner:
                     spans.append((s, row, m))
             row += n
         if not spans:
-            return {}
+            return {}, {}
         index = torch.cat([torch.arange(r, r + m) for _, r, m in spans]).to(hidden.device)
         targets = torch.tensor(
             [t for s, _, m in spans for t in s.prompt_token_ids[s.start_pos + 1 : s.start_pos + 1 + m]], dtype=torch.long
         ).to(hidden.device)
-        k_max = max(s.sampling_params.prompt_logprobs or 0 for s, _, _ in spans)
-        vals, ranks, top_vals, top_ids = [], [], [], []
+        k_max = max(max(s.sampling_params.prompt_logprobs or 0, 0) for s, _, _ in spans)
+        whole = [s.sampling_params.prompt_logprobs == -1 for s, _, _ in spans]
+        keep = torch.cat([torch.full((m,), w) for (_, _, m), w in zip(spans, whole)]) if any(whole) else None
+        vals, ranks, top_vals, top_ids, kept = [], [], [], [], []
         for a in range(0, index.numel(), PROMPT_LOGPROB_ROWS):
             logits = self.model.compute_logits(hidden.index_select(0, index[a : a + PROMPT_LOGPROB_ROWS]))
             lp = torch.log_softmax(logits, dim=-1)
@@ -148,21 +152,28 @@ class ModelRunner:
                 v, i = lp.topk(k_max, dim=-1)
                 top_vals.append(v)
                 top_ids.append(i)
+            if keep is not None:
+                kept.append(lp[keep[a : a + PROMPT_LOGPROB_ROWS].to(lp.device)].float().cpu())
         val_list = torch.cat(vals).tolist()
         rank_list = torch.cat(ranks).tolist()
         tv = torch.cat(top_vals).tolist() if k_max else None
         ti = torch.cat(top_ids).tolist() if k_max else None
         out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
-        j = 0
-        for s, _, m in spans:
-            k = s.sampling_params.prompt_logprobs or 0
+        rows: dict[str, tuple[int, object]] = {}
+        all_kept = torch.cat(kept).numpy() if kept else None
+        j = kj = 0
+        for (s, _, m), w in zip(spans, whole):
+            k = max(s.sampling_params.prompt_logprobs or 0, 0)
             entries: list[TokenLogprobs] = []
             for p in range(s.start_pos + 1, s.start_pos + 1 + m):
                 top = [Logprob(t, x, r + 1) for r, (t, x) in enumerate(zip(ti[j][:k], tv[j][:k]))] if k else []
                 entries.append((Logprob(s.prompt_token_ids[p], val_list[j], rank_list[j]), top))
                 j += 1
             out[s.request_id] = (s.start_pos + 1, entries)
-        return out
+            if w:
+                rows[s.request_id] = (s.start_pos + 1, all_kept[kj : kj + m])
+                kj += m
+        return out, rows
 
     def _prepare(
         self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]

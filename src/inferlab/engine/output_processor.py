@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from inferlab.engine.outputs import EngineCoreOutput
 from inferlab.engine.request import (
@@ -49,6 +50,11 @@ class _RequestState:
     metrics: RequestMetrics
     error: str | None = None
     prompt_logprobs: PromptLogprobs | None = None  # one per prompt position known so far
+    # prompt_logprobs=-1: blocks of whole log-softmax rows (numpy), positions 1.. in order;
+    # joined into one array once every prompt position has its row.
+    prompt_logprob_rows: list[Any] | None = None
+    num_rows: int = 0
+    joined_rows: Any | None = None
 
     @property
     def finished(self) -> bool:
@@ -92,6 +98,7 @@ class OutputProcessor:
             seqs,
             RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids)),
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            prompt_logprob_rows=[] if params.prompt_logprobs == -1 else None,
         )
 
     def child_ids(self, request_id: str) -> list[str]:
@@ -118,6 +125,31 @@ class OutputProcessor:
                     if alt.token_id not in entry:
                         entry[alt.token_id] = self._decoded(alt)
                 have.append(entry)
+
+    def add_prompt_logprob_rows(self, chunks: dict[str, tuple[int, Any]]) -> None:
+        """Fold one step's whole log-softmax rows in (prompt_logprobs=-1), keyed by position
+        like `add_prompt_logprobs`: rows for positions already known are dropped."""
+        for cid, (start, block) in chunks.items():
+            ref = self.child_to_parent.get(cid)
+            if ref is None:
+                continue
+            state = self.requests[ref[0]]
+            if state.prompt_logprob_rows is None or start > state.num_rows + 1:
+                continue
+            new = block[state.num_rows + 1 - start :]
+            if len(new):
+                state.prompt_logprob_rows.append(new)
+                state.num_rows += len(new)
+
+    def _joined_rows(self, state: _RequestState) -> Any | None:
+        if state.joined_rows is None and state.prompt_logprob_rows is not None:
+            if state.num_rows == len(state.prompt_token_ids) - 1 and state.prompt_logprob_rows:
+                import numpy as np
+
+                blocks = state.prompt_logprob_rows
+                state.joined_rows = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
+                state.prompt_logprob_rows = []
+        return state.joined_rows
 
     def _decoded(self, lp: Logprob) -> Logprob:
         if self._token_text is not None and lp.decoded_token is None:
@@ -243,4 +275,5 @@ class OutputProcessor:
             metrics=state.metrics,
             error=state.error,
             prompt_logprobs=state.prompt_logprobs,
+            prompt_logprob_rows=self._joined_rows(state),
         )

@@ -11,6 +11,7 @@ request's own lists: the runner only reads them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from inferlab.engine.request import SamplingParams, TokenLogprobs
 
@@ -57,6 +58,9 @@ class ModelRunnerOutput:
     # (position of the first entry, >= 1; one (prompt token, top k) entry per position after it).
     # A chunk recomputed after preemption reports its positions again: the reader keeps the first.
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
+    # Requests with prompt_logprobs=-1: request id → (position of the first row, float32 numpy
+    # array [rows, vocab] of whole log-softmax rows, parallel to that request's entries above).
+    prompt_logprob_rows: dict[str, tuple[int, Any]] | None = None
 
 
 @dataclass

@@ -34,6 +34,8 @@ class SamplingParams:
     logprobs: int | None = None  # None = none; k >= 0 = the chosen token's logprob and the top k
     # None = none; k >= 0 = each prompt token's logprob and the top k at its position (vLLM's),
     # from the prefill's own logits. Such a request skips the prefix-cache lookup (see LLMEngine).
+    # -1 = the prompt token's logprob (as 0) and the whole log-softmax row at every position, in
+    # RequestOutput.prompt_logprob_rows (perplexity / KL divergence; offline only).
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
@@ -69,8 +71,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs!r}")
+        if self.prompt_logprobs is not None and not -1 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20] or -1 (whole rows), got {self.prompt_logprobs!r}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative token ids")
 
@@ -289,6 +291,9 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token so far (complete, one per
     # prompt token, by the time any sequence has a token); else None.
     prompt_logprobs: PromptLogprobs | None = None
+    # With prompt_logprobs=-1, once the prompt is complete: a float32 numpy array
+    # [num_prompt_tokens - 1, vocab], row i the log-softmax that predicted prompt token i + 1.
+    prompt_logprob_rows: Any | None = None
 
     @property
     def num_cached_tokens(self) -> int:
