@@ -380,3 +380,26 @@ def test_16bit_products_see_few_row_counts(monkeypatch):
             assert torch.equal(y, real(x, w))  # rows are independent: padding changes none of them
     assert len(seen) <= 40
     assert all(0 <= lin.bucket_rows(m) - m < max(8, m // 8) for m in range(1, 5000))  # <= 12.5% extra, or < 8 rows
+
+
+@pytest.mark.skipif(not build.kernel_info().bf16_dot,
+                    reason=f"needs AVX512_BF16 (the avx512 kernel variant); this process has {build.kernel_info().variant}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_rows_our_kernels_hand_to_onednn_are_bucketed(dtype):
+    """From MKL_MIN_ROWS rows the avx512 kernels call oneDNN's bf16 GEMM, one cached primitive
+    per row count: those rows are padded to a bucket too, and the padding changes no row."""
+    from inferlab.kernels.linear import MKL_MIN_ROWS, bucket_rows
+
+    lin = WeightOnlyLinear(_weight(40, 64), dtype, torch.randn(40), use_kernels=True)
+    assert lin.bf16_gemm
+    seen: list[int] = []
+    real = lin.product
+    lin.product = lambda x: seen.append(x.shape[0]) or real(x)
+    for m in range(MKL_MIN_ROWS - 2, 400):
+        x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m))
+        y = lin(x)
+        assert y.shape == (m, 40)
+        if m in (MKL_MIN_ROWS + 1, 333):
+            assert torch.equal(y, real(x))
+    assert {bucket_rows(m) for m in range(MKL_MIN_ROWS, 400)} >= set(seen[2:]) and len(set(seen)) <= 20
+

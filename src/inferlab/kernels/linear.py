@@ -167,7 +167,17 @@ class WeightOnlyLinear:
         return self.fallback(x)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        """Our C++ kernels: float32 x only."""
+        """Our C++ kernels: float32 x only. Where they hand the rows to oneDNN's bf16 GEMM
+        (`bf16_gemm`, from MKL_MIN_ROWS rows), the rows are padded to `bucket_rows` first, as
+        `linear` does for torch's own 16-bit GEMMs: one cached primitive per row count."""
+        m = x.shape[0]
+        if self.bf16_gemm and x.dim() == 2 and m >= MKL_MIN_ROWS and bucket_rows(m) != m:
+            xp = x.new_zeros((bucket_rows(m), x.shape[1]))
+            xp[:m] = x
+            return self.product(xp)[:m]
+        return self.product(x)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
         ops = torch.ops.inferlab
         if self.scale is not None:
             return ops.linear_w8(x, self.weight, self.scale, self.bias, MKL_MIN_ROWS, self.row_sums)
