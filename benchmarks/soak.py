@@ -26,9 +26,8 @@ import json
 import os
 import random
 import shlex
-import socket
-import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+from harness import free_port, served
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -55,13 +55,7 @@ class Sample:
     in_flight: int = 0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
+def server_argv(args: argparse.Namespace, port: int) -> list[str]:
     launcher = shlex.split(args.launcher) if args.launcher else [sys.executable, "-m", "inferlab.cli"]
     cmd = [*launcher, "serve", "--host", "127.0.0.1", "--port", str(port),
            "--max-num-seqs", str(args.max_num_seqs), "--max-queue-len", str(args.max_queue_len),
@@ -69,23 +63,7 @@ def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
            "--log-level", "warning"]
     if args.model:
         cmd += ["--model", args.model]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.Popen(cmd, env=env)
-
-
-def wait_healthy(base: str, proc: subprocess.Popen, timeout: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("the server did not become healthy")
+    return cmd
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -365,21 +343,15 @@ def main(argv: list[str] | None = None) -> int:
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    server = start_server(args, port)
-    try:
-        wait_healthy(base, server)
+    env = {"PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with tempfile.TemporaryDirectory(prefix="inferlab-soak-") as tmp, \
+            served(server_argv(args, port), base, Path(tmp) / "server.log", env=env) as server:
         capacity = asyncio.run(measure_capacity(base, args, args.capacity_seconds))
         rate = args.rate or max(2 * capacity, 0.2)
         if args.hang_after is None:  # a full queue ahead of it and a full batch beside it, three times over
             args.hang_after = max(120.0, 3 * (args.max_num_seqs + args.max_queue_len) / max(capacity, 0.05))
         print(f"capacity {capacity:.2f} req/s; offering {rate:.2f} req/s for {args.duration:.0f} s", flush=True)
-        samples, load, end = asyncio.run(soak(base, server.pid, args, rate))
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        samples, load, end = asyncio.run(soak(base, server.proc.pid, args, rate))
     totals = Counter(o for _, o in load.done)
     drained = end["drained"]
     result = {
