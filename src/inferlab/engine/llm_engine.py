@@ -23,6 +23,8 @@ from inferlab.engine.output_processor import OutputProcessor
 from inferlab.engine.outputs import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from inferlab.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from inferlab.engine.scheduler import Scheduler
+from inferlab.kernels import build as kernels_build
+from inferlab.models.decoder import dtype_name
 from inferlab.models.loader import load_model
 from inferlab.models.registry import resolve_model
 from inferlab.tokenizer import Tokenizer
@@ -96,9 +98,6 @@ class LLMEngine:
     def info(self) -> dict[str, Any]:
         """What this engine decided, for `GET /server_info` and the benchmarks that read it
         instead of guessing from flags: precision, kernels, KV cache, limits."""
-        from inferlab.kernels import build as kernels_build
-        from inferlab.models.decoder import dtype_name
-
         model = self.runner.model
         return {
             "model": self.model_name,
