@@ -19,6 +19,7 @@ from inferlab.config import CacheConfig, LoadConfig
 from inferlab.engine import model_runner
 from inferlab.engine.model_runner import ModelRunner
 from inferlab.engine.outputs import ScheduledRequest
+from inferlab.kernels import build
 from inferlab.models.attention import (
     CPU_PREFILL_TILE,
     TILED_FRESH_MAX,
@@ -76,13 +77,21 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) ->
     return (scores.softmax(-1) @ vh).transpose(0, 1).float()
 
 
-def _run_case(runner: ModelRunner, spec: list[tuple[int, int]], seed: int = 0):
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.bfloat16().float()
+
+
+def _run_case(runner: ModelRunner, spec: list[tuple[int, int]], seed: int = 0, bf16_products: bool = False,
+              cache_dtype: torch.dtype = torch.float32):
     """One step through _prepare + paged_attention against the per-request reference.
 
     The cache holds NaN wherever no request's context lives (unused blocks, the tails of last
     blocks) and in the fresh prompts' own slots: a fresh prompt that read the cache, or a chunk
     that read past its own context, would turn its rows into NaN. (Block 0 and the decodes' blocks
     are zeros instead: the decode SDPA fallback pads with them, masked, as before.)
+
+    `bf16_products`: the avx512 kernel (bf16 products, float32 sums), against the reference on
+    the inputs it rounds (q x scale, K, V: from the cache's dtype where a chunk reads the cache).
     """
     g = torch.Generator().manual_seed(seed)
     sched = _scheduled(spec, g)
@@ -115,12 +124,30 @@ def _run_case(runner: ModelRunner, spec: list[tuple[int, int]], seed: int = 0):
             v_cache[:, _slots(s, range(s.start_pos))] = hist_v.transpose(0, 1)
             k_cache[:, _slots(s, range(s.start_pos, s.start_pos + n))] = k[new].transpose(0, 1)
             v_cache[:, _slots(s, range(s.start_pos, s.start_pos + n))] = v[new].transpose(0, 1)
-        expected[new] = _reference(q[new], torch.cat([hist_k, k[new]]), torch.cat([hist_v, v[new]]), s.start_pos)
+        kr, vr = torch.cat([hist_k, k[new]]), torch.cat([hist_v, v[new]])
+        if bf16_products and n == 1:  # a decode: float32 products over the cache's values
+            expected[new] = _reference(q[new], kr.to(cache_dtype).float(), vr.to(cache_dtype).float(), s.start_pos)
+        elif bf16_products:  # SCALE is a power of two: rounding q x SCALE is rounding q
+            from_cache = (lambda x: _bf16(x.to(cache_dtype).float())) if s.start_pos > 0 else _bf16
+            expected[new] = _reference(_bf16(q[new]), from_cache(kr), from_cache(vr), s.start_pos)
+        else:
+            expected[new] = _reference(q[new], kr, vr, s.start_pos)
         row += n
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     # kv_written: the cache is as the test left it (a fused op would have written it).
-    out = paged_attention(q, k, v, (k_cache, v_cache), meta, SCALE, kv_written=True)
+    with torch.profiler.profile() as prof:
+        out = paged_attention(q, k, v, (k_cache, v_cache), meta, SCALE, kv_written=True, bf16_products=bf16_products)
+    ran = {e.key for e in prof.key_averages()}
+    if bf16_products:  # the kernel ran, for each kind of chunk present
+        assert ("inferlab::prefill_attention_bf16" in ran) == bool(meta.prefill.fresh), ran
+        assert ("inferlab::prefill_attention_paged_bf16" in ran) == bool(meta.prefill.continuing), ran
+    else:
+        assert not any("_bf16" in key for key in ran), ran
     assert not out.isnan().any()
-    torch.testing.assert_close(out.view(t, H, D), expected, atol=2e-5, rtol=1e-4)
+    if bf16_products:  # P rounded to bf16: ~2^-9 relative per weight
+        torch.testing.assert_close(out.view(t, H, D), expected, atol=1e-2, rtol=1e-2)
+    else:
+        torch.testing.assert_close(out.view(t, H, D), expected, atol=2e-5, rtol=1e-4)
     return meta
 
 
@@ -152,6 +179,43 @@ def test_other_tile_sizes(runner, monkeypatch, tile):
     monkeypatch.setattr(model_runner, "prefill_tile", pick)
     meta = _run_case(runner, SPEC, seed=2)
     assert meta.prefill.tile == (530 if tile == "whole chunk" else tile)
+
+
+@pytest.mark.skipif(not build.kernel_info().bf16_dot,
+                    reason=f"needs the avx512 kernel variant (AVX512_BF16); this CPU runs {build.kernel_info().variant}")
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_bf16_products_kernel(runner, cache_dtype):
+    """The avx512 flash attention (kernels/csrc/prefill_attention.cpp) on every kind of chunk:
+    fresh runs straight from the flat batch, continuing chunks read from the paged cache in
+    place (NaN everywhere else in it), decodes beside them."""
+    _run_case(runner, SPEC, seed=6, bf16_products=True, cache_dtype=cache_dtype)
+    _run_case(runner, [(0, 64)] * 8 + [(0, 2), (0, 3)], seed=7, bf16_products=True, cache_dtype=cache_dtype)
+
+
+@pytest.mark.skipif(not build.kernel_info().bf16_dot,
+                    reason=f"needs the avx512 kernel variant (AVX512_BF16); this CPU runs {build.kernel_info().variant}")
+def test_bf16_products_kernel_rejects_bad_shapes():
+    ops = torch.ops.inferlab
+    q, out = torch.zeros(1, 4, 6, 64), torch.zeros(1, 4, 6, 64)
+    with pytest.raises(RuntimeError, match="keys for queries"):
+        ops.prefill_attention_bf16(q, torch.zeros(1, 3, 2, 64), torch.zeros(1, 3, 2, 64), out, 0, SCALE)
+    with pytest.raises(RuntimeError, match="share"):
+        ops.prefill_attention_bf16(q, torch.zeros(1, 4, 4, 64), torch.zeros(1, 4, 4, 64), out, 0, SCALE)
+    cache = torch.zeros(2, 4 * BS, 64)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.prefill_attention_paged_bf16(q, cache, cache, torch.tensor([7]), BS, out, 0, SCALE)
+
+
+def test_the_model_decides_bf16_attention_once():
+    """bf16 prefill attention exactly where the linears multiply in bf16 (one decision)."""
+    cfg = tiny_model_config("llama")
+    from inferlab.models.decoder import DecoderModel
+
+    weights = load_dummy(cfg, torch.float32).weights
+    exact = DecoderModel(cfg, weights, torch.float32)
+    assert not exact.bf16_products
+    m16 = DecoderModel(cfg, weights, torch.float32, weight_dtype=torch.bfloat16)
+    assert m16.bf16_products == build.kernel_info().bf16_dot
 
 
 def test_causal_bias_band_slices():

@@ -285,9 +285,15 @@ def prefill_attention(
     p: PrefillBatch,
     out: torch.Tensor,  # [T, H, D]: the prefill rows are written
     scale: float,
+    bf16_products: bool = False,
 ) -> None:
     """Every prefill chunk of the step, one at a time (a run of fresh chunks of one length as one
-    batch): no padding to the longest chunk, and fresh prompts read nothing from the cache."""
+    batch): no padding to the longest chunk, and fresh prompts read nothing from the cache.
+    `bf16_products` (the model's precision decision on the avx512 variant): our flash attention
+    with bf16 products instead, continuing chunks read straight from the paged cache."""
+    if bf16_products and q.dtype == torch.float32 and k_cache.dtype in KERNEL_DTYPES:
+        prefill_attention_bf16(q, k, v, k_cache, v_cache, p, out, scale)
+        return
     for run in p.fresh:
         qr, kr, vr, outr = (_run_view(x, run) for x in (q, k, v, out))
         attend_causal(qr, kr, vr, outr, 0, p.tile, p.causal_bias, scale)
@@ -303,6 +309,34 @@ def prefill_attention(
             attend_causal(qc, kc, vc, oc, chunk.start, p.tile, p.causal_bias, scale)
 
 
+def prefill_attention_bf16(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    p: PrefillBatch,
+    out: torch.Tensor,
+    scale: float,
+) -> None:
+    """`prefill_attention` through kernels/csrc/prefill_attention.cpp: one call per run of fresh
+    chunks (the rows as they lie in the flat batch, no transposes or copies) and one per
+    continuing chunk (its context read from the cache blocks in place, no gather)."""
+    ops = torch.ops.inferlab
+    for run in p.fresh:
+        rows = slice(run.row, run.row + run.count * run.num_tokens)
+        q4, k4, v4, o4 = (x[rows].unflatten(0, (run.count, run.num_tokens)) for x in (q, k, v, out))
+        ops.prefill_attention_bf16(q4, k4, v4, o4, 0, scale)
+    if p.continuing:
+        assert p.block_tables is not None
+        for chunk, table in zip(p.continuing, p.block_tables):
+            ctx = chunk.start + chunk.num_tokens
+            rows = slice(chunk.row, chunk.row + chunk.num_tokens)
+            ops.prefill_attention_paged_bf16(q[rows].unsqueeze(0), k_cache, v_cache,
+                                             table[: (ctx + p.block_size - 1) // p.block_size], p.block_size,
+                                             out[rows].unsqueeze(0), chunk.start, scale)
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, kvH, D]
@@ -311,9 +345,10 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     kv_written: bool = False,
+    bf16_products: bool = False,
 ) -> torch.Tensor:
     """Write k/v into the cache (unless `kv_written`: a fused op already did), attend, return
-    [T, H * D]."""
+    [T, H * D]. `bf16_products`: prefill attention multiplies in bf16 (see prefill_attention)."""
     k_cache, v_cache = kv_cache
     if not kv_written:  # (the cache may be stored narrower than the activations)
         k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
@@ -337,5 +372,5 @@ def paged_attention(
     if decoded is not None:
         out[:nd] = decoded
     if meta.prefill is not None:
-        prefill_attention(q, k, v, k_cache, v_cache, meta.prefill, out, scale)
+        prefill_attention(q, k, v, k_cache, v_cache, meta.prefill, out, scale, bf16_products)
     return out.view(t, h * d)

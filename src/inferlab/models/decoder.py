@@ -124,6 +124,9 @@ class DecoderModel:
         # have to precede; the whole-step decode kernel (decoder_step.cpp) applies that norm itself.
         self.step_ok = dtype == torch.float32 and device.type == "cpu" and kernels_build.available()
         self.fused_ok = self.step_ok and not c.qk_norm
+        # One precision decision for the whole model: where the linears multiply bf16 weights in
+        # bf16 (the avx512 variant), prefill attention does too (models/attention.py).
+        self.bf16_products = bool(getattr(self.embed, "bf16_products", False)) and self.step_ok
         self._step: object | None = None  # torch.classes.inferlab.DecoderStep, built on first use
         self._step_caches: list | None = None
         line = self.describe_precision()
@@ -209,7 +212,7 @@ class DecoderModel:
                 k = self._norm(k, layer.k_norm)
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
-            attn = paged_attention(q, k, v, cache, meta, self.scale)
+            attn = paged_attention(q, k, v, cache, meta, self.scale, bf16_products=self.bf16_products)
             x = x + layer.o(attn)
             h = self._norm(x, layer.post_norm)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
@@ -238,7 +241,8 @@ class DecoderModel:
             q, k = ops.rope_write_kv(qkv, positions, self.cos, self.sin, k_cache, v_cache, meta.slot_mapping,
                                      c.num_heads, c.num_kv_heads, c.head_dim)
             v = qkv[:, self.q_size + self.kv_size :].view(t, c.num_kv_heads, c.head_dim)  # fresh prompts read it
-            attn = paged_attention(q, k, v, (k_cache, v_cache), meta, self.scale, kv_written=True)
+            attn = paged_attention(q, k, v, (k_cache, v_cache), meta, self.scale, kv_written=True,
+                                   bf16_products=self.bf16_products)
             h = ops.add_rms_norm_(x, layer.o(attn), layer.post_norm, eps)
             delta = layer.down(ops.silu_mul(layer.gate_up(h)))
         if delta is None:  # pragma: no cover - a model has layers

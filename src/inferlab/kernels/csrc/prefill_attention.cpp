@@ -1,0 +1,339 @@
+// Causal prefill attention with bf16 products and float32 sums (the avx512 variant: AVX512_BF16).
+//
+// Why: torch's CPU flash attention runs in float32 here whatever the input dtype (bf16 inputs
+// are no faster without AMX), ~125 GFLOP/s on two Zen 5 cores: half of a 1,024-token prefill of
+// SmolLM2 went to it. oneDNN's bf16 micro-kernel (`at::native::cpublas::brgemm`, bf16 x bf16 ->
+// float32, exported by torch) runs these shapes at ~430-480 GFLOP/s per core, so the products go
+// there, and the rest of flash attention (online softmax, masking, packing) is ours.
+//
+// Method, per (sequence, KV head, block of kBq query positions): the G = H / kvH query heads
+// that share the KV head are stacked into one matrix of kBq * G rows (position-major: row r is
+// position q0 + r / G, head r % G), so K and V are read once for all of them (GQA). K^T and V
+// are packed once per (sequence, KV head) into bf16 "VNNI" pairs (brgemm's B layout: element
+// (k, n) of a [K, N] matrix at ((k / 2) * N + n) * 2 + k % 2), zero-padded to whole key blocks.
+// For each block of kBk keys up to the block's causal limit: S = Q K^T (float32), the causal
+// mask, the online softmax (running max and sum per row, float32), P rounded to bf16, O += P V
+// (float32). Finally O / sum. The scale is folded into Q before its rounding to bf16.
+//
+// Numerics: Q, K, P and V rounded to bf16 (8 bits of mantissa), every sum in float32; the
+// same products as the 16-bit linear layers on this variant. Masked keys never enter a sum.
+//
+// Operators (torch.ops.inferlab.*), float32 q / out, k / v float32, bfloat16 or float16:
+//   prefill_attention_bf16(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int start, float scale) -> ()
+//       q, out [b, n, H, D]; k, v [b, ctx, kvH, D] (any strides, D contiguous), ctx >= start + n:
+//       query i of sequence s is at position start + i and sees keys 0 .. start + i.
+//   prefill_attention_paged_bf16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks,
+//                                int block_size, Tensor(a!) out, int start, float scale) -> ()
+//       q, out [1, n, H, D]; the caches [kvH, slots, D], blocks (int32 / int64) the sequence's
+//       blocks in order: a continuing chunk reads its context straight from the paged cache.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define INFERLAB_PREFILL_BF16 1
+#endif
+
+namespace {
+
+#ifdef INFERLAB_PREFILL_BF16
+
+constexpr int64_t kBk = 128;  // keys per block: S is kBq * G x kBk floats (L2-resident)
+
+// Query positions per task: ~96 rows of Q once the G heads are stacked (brgemm's M), measured
+// near its best rate; at least 1.
+int64_t query_block(int64_t g_heads) { return std::max<int64_t>(1, 96 / g_heads); }
+
+inline uint16_t to_bf16(float f) {  // round to nearest even, as vcvtneps2bf16 does
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float to_f(float v) { return v; }
+inline float to_f(at::Half v) { return static_cast<float>(v); }
+inline float to_f(at::BFloat16 v) { return static_cast<float>(v); }
+
+// exp on 16 floats: the range reduction and polynomial of simd.h's exp8, on 512-bit registers.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+// The packed K^T [D/2][ctxp][2] and V [ctxp/2][D][2] of one (sequence, KV head); row(pos)
+// points at that position's D values of K (or V).
+template <typename Row>
+void pack_kt(Row row, int64_t ctx, int64_t ctxp, int64_t d, uint16_t* out) {
+  for (int64_t p = 0; p < ctxp; ++p) {
+    if (p < ctx) {
+      auto r = row(p);
+      for (int64_t i = 0; i < d; ++i) out[((i / 2) * ctxp + p) * 2 + (i & 1)] = to_bf16(to_f(r[i]));
+    } else {
+      for (int64_t i = 0; i < d; ++i) out[((i / 2) * ctxp + p) * 2 + (i & 1)] = 0;
+    }
+  }
+}
+
+template <typename Row>
+void pack_v(Row row, int64_t ctx, int64_t ctxp, int64_t d, uint16_t* out) {
+  for (int64_t p = 0; p < ctxp; ++p) {
+    uint16_t* o = out + (p / 2) * d * 2 + (p & 1);
+    if (p < ctx) {
+      auto r = row(p);
+      for (int64_t i = 0; i < d; ++i) o[i * 2] = to_bf16(to_f(r[i]));
+    } else {
+      for (int64_t i = 0; i < d; ++i) o[i * 2] = 0;
+    }
+  }
+}
+
+struct Scratch {  // per pool thread, grown once
+  std::vector<uint16_t> a, p;
+  std::vector<float> s, o, m, l;
+};
+
+// One task: kv head g of sequence b, query positions q0 .. q0 + nq - 1 (start + q0 .. in the
+// sequence). kt / vv are that (b, g)'s packed K^T and V.
+void attend_block(const float* q, const int64_t qs[3], float* out, const int64_t os[3], int64_t g, int64_t g_heads,
+                  int64_t d, int64_t start, int64_t q0, int64_t nq, int64_t ctxp, const uint16_t* kt,
+                  const uint16_t* vv, float scale, Scratch& sc) {
+  const int64_t rows = nq * g_heads;
+  sc.a.resize(rows * d);
+  sc.p.resize(rows * kBk);
+  sc.s.resize(rows * kBk);
+  sc.o.assign(rows * d, 0.0f);
+  sc.m.assign(rows, -std::numeric_limits<float>::infinity());
+  sc.l.assign(rows, 0.0f);
+  for (int64_t r = 0; r < rows; ++r) {  // Q rows, scaled, to bf16
+    const float* src = q + (q0 + r / g_heads) * qs[0] + (g * g_heads + r % g_heads) * qs[1];
+    for (int64_t i = 0; i < d; ++i) sc.a[r * d + i] = to_bf16(src[i] * scale);
+  }
+  const auto* a = reinterpret_cast<const at::BFloat16*>(sc.a.data());
+  const auto* pb = reinterpret_cast<const at::BFloat16*>(sc.p.data());
+  const int64_t limit = start + q0 + nq;  // keys 0 .. limit - 1 are seen by some row
+  for (int64_t j0 = 0; j0 < limit; j0 += kBk) {
+    at::native::cpublas::brgemm(rows, kBk, d, d, ctxp, kBk, false, a,
+                                reinterpret_cast<const at::BFloat16*>(kt) + j0 * 2, sc.s.data(), true);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = start + q0 + r / g_heads;
+      const int64_t c = std::min<int64_t>(kBk, pos - j0 + 1);  // keys of this block row r sees
+      float* s = sc.s.data() + r * kBk;
+      uint16_t* p = sc.p.data() + r * kBk;
+      if (c <= 0) {
+        std::fill(p, p + kBk, uint16_t{0});
+        continue;
+      }
+      __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      int64_t k = 0;
+      for (; k + 16 <= c; k += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + k));
+      float m_blk = _mm512_reduce_max_ps(mx);
+      for (; k < c; ++k) m_blk = std::max(m_blk, s[k]);
+      const float m_new = std::max(sc.m[r], m_blk);
+      const float alpha = std::exp(sc.m[r] - m_new);  // 0 on the first block (-inf)
+      const __m512 mb = _mm512_set1_ps(m_new);
+      __m512 sum = _mm512_setzero_ps();
+      k = 0;
+      for (; k + 16 <= c; k += 16) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + k), mb));
+        const __m256bh eb = _mm512_cvtneps_pbh(e);
+        const __m256i ei = (__m256i)eb;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + k), ei);
+        // the sum is of the rounded values, so the weights P V uses sum to exactly 1
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                     _mm512_cvtepu16_epi32(ei), 16)));
+      }
+      float tail = 0.0f;
+      for (; k < c; ++k) {
+        const uint16_t h = to_bf16(std::exp(s[k] - m_new));
+        p[k] = h;
+        uint32_t u = static_cast<uint32_t>(h) << 16;
+        float f;
+        std::memcpy(&f, &u, 4);
+        tail += f;
+      }
+      std::fill(p + c, p + kBk, uint16_t{0});
+      sc.l[r] = sc.l[r] * alpha + _mm512_reduce_add_ps(sum) + tail;
+      sc.m[r] = m_new;
+      if (alpha != 1.0f) {
+        float* o = sc.o.data() + r * d;
+        for (int64_t i = 0; i < d; ++i) o[i] *= alpha;
+      }
+    }
+    at::native::cpublas::brgemm(rows, d, kBk, kBk, d, d, true, pb,
+                                reinterpret_cast<const at::BFloat16*>(vv) + j0 * d, sc.o.data(), true);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = out + (q0 + r / g_heads) * os[0] + (g * g_heads + r % g_heads) * os[1];
+    const float inv = 1.0f / sc.l[r];  // every row sees at least key 0
+    const float* o = sc.o.data() + r * d;
+    for (int64_t i = 0; i < d; ++i) dst[i] = o[i] * inv;
+  }
+}
+
+// Shared driver: b sequences of n queries, kvh KV heads; krow(s, g, pos) / vrow(...) point at
+// K / V rows. Packs every (s, g) in parallel, then runs the (s, g, query block) tasks, heaviest
+// (latest) blocks first, taken from a shared counter.
+template <typename KRow, typename VRow>
+void run(const at::Tensor& q, at::Tensor& out, int64_t ctx, int64_t kvh, int64_t start, double scale, KRow krow,
+         VRow vrow) {
+  const int64_t b = q.size(0), n = q.size(1), h = q.size(2), d = q.size(3);
+  const int64_t g_heads = h / kvh;
+  const int64_t ctxp = (ctx + kBk - 1) / kBk * kBk;
+  std::vector<uint16_t> kt(b * kvh * ctxp * d), vv(b * kvh * ctxp * d);
+  at::parallel_for(0, b * kvh, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t s = t / kvh, g = t % kvh;
+      pack_kt([&](int64_t p) { return krow(s, g, p); }, ctx, ctxp, d, kt.data() + t * ctxp * d);
+      pack_v([&](int64_t p) { return vrow(s, g, p); }, ctx, ctxp, d, vv.data() + t * ctxp * d);
+    }
+  });
+  const int64_t bq = query_block(g_heads);
+  const int64_t nblocks = (n + bq - 1) / bq;
+  const int64_t tasks = b * kvh * nblocks;
+  const int64_t qs[3] = {q.stride(1), q.stride(2), q.stride(3)};
+  const int64_t os[3] = {out.stride(1), out.stride(2), out.stride(3)};
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    thread_local Scratch sc;
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
+      const int64_t blk = nblocks - 1 - i / (b * kvh);  // latest first: the longest rows
+      const int64_t sg = i % (b * kvh), s = sg / kvh, g = sg % kvh;
+      const int64_t q0 = blk * bq, nq = std::min(bq, n - q0);
+      attend_block(qp + s * q.stride(0), qs, op + s * out.stride(0), os, g, g_heads, d, start, q0, nq, ctxp,
+                   kt.data() + sg * ctxp * d, vv.data() + sg * ctxp * d, static_cast<float>(scale), sc);
+    }
+    at::native::cpublas::brgemm_release(true);
+  });
+}
+
+void check_q_out(const at::Tensor& q, const at::Tensor& out, int64_t kvh) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.stride(3) == 1,
+              "prefill_attention_bf16: q must be float32 [b, n, H, D] with D contiguous");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kFloat && out.stride(3) == 1,
+              "prefill_attention_bf16: out must be float32 shaped like q, D contiguous");
+  TORCH_CHECK(kvh > 0 && q.size(2) % kvh == 0, "prefill_attention_bf16: ", q.size(2),
+              " query heads do not share ", kvh, " KV heads evenly");
+  TORCH_CHECK(q.size(3) % 2 == 0 && q.size(3) <= 512, "prefill_attention_bf16: head_dim must be even, <= 512");
+}
+
+#endif  // INFERLAB_PREFILL_BF16
+
+void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+                            int64_t start, double scale) {
+#ifdef INFERLAB_PREFILL_BF16
+  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.size(0) == q.size(0) && k.size(3) == q.size(3) &&
+                  k.stride(3) == 1 && v.stride(3) == 1 && k.scalar_type() == v.scalar_type(),
+              "prefill_attention_bf16: k and v must be [b, ctx, kvH, D] like q's b and D, D contiguous");
+  check_q_out(q, out, k.size(2));
+  const int64_t ctx = k.size(1);
+  TORCH_CHECK(start >= 0 && ctx >= start + q.size(1), "prefill_attention_bf16: ", ctx, " keys for queries at ",
+              start, " .. ", start + q.size(1) - 1);
+  if (q.numel() == 0) return;
+  AT_DISPATCH_SWITCH(k.scalar_type(), "prefill_attention_bf16",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+      run(q, out, ctx, k.size(2), start, scale,
+          [&](int64_t s, int64_t g, int64_t p) { return kp + s * k.stride(0) + p * k.stride(1) + g * k.stride(2); },
+          [&](int64_t s, int64_t g, int64_t p) { return vp + s * v.stride(0) + p * v.stride(1) + g * v.stride(2); });
+    })
+    AT_DISPATCH_CASE(at::kHalf, [&] {
+      const at::Half *kp = k.data_ptr<at::Half>(), *vp = v.data_ptr<at::Half>();
+      run(q, out, ctx, k.size(2), start, scale,
+          [&](int64_t s, int64_t g, int64_t p) { return kp + s * k.stride(0) + p * k.stride(1) + g * k.stride(2); },
+          [&](int64_t s, int64_t g, int64_t p) { return vp + s * v.stride(0) + p * v.stride(1) + g * v.stride(2); });
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      const at::BFloat16 *kp = k.data_ptr<at::BFloat16>(), *vp = v.data_ptr<at::BFloat16>();
+      run(q, out, ctx, k.size(2), start, scale,
+          [&](int64_t s, int64_t g, int64_t p) { return kp + s * k.stride(0) + p * k.stride(1) + g * k.stride(2); },
+          [&](int64_t s, int64_t g, int64_t p) { return vp + s * v.stride(0) + p * v.stride(1) + g * v.stride(2); });
+    }));
+#else
+  TORCH_CHECK(false, "prefill_attention_bf16 needs the avx512 kernel variant (AVX512_BF16)");
+#endif
+}
+
+void prefill_attention_paged_bf16(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                                  const at::Tensor& blocks, int64_t block_size, at::Tensor& out, int64_t start,
+                                  double scale) {
+#ifdef INFERLAB_PREFILL_BF16
+  TORCH_CHECK(kc.dim() == 3 && vc.sizes() == kc.sizes() && kc.is_contiguous() && vc.is_contiguous() &&
+                  kc.size(2) == q.size(3) && kc.scalar_type() == vc.scalar_type(),
+              "prefill_attention_paged_bf16: the caches must be contiguous [kvH, slots, D] like q's D");
+  TORCH_CHECK(q.size(0) == 1, "prefill_attention_paged_bf16: one sequence at a time");
+  check_q_out(q, out, kc.size(0));
+  TORCH_CHECK(block_size > 0 && blocks.dim() == 1, "prefill_attention_paged_bf16: blocks must be a vector");
+  const int64_t ctx = start + q.size(1);
+  TORCH_CHECK(blocks.numel() * block_size >= ctx, "prefill_attention_paged_bf16: ", blocks.numel(),
+              " blocks of ", block_size, " hold fewer than ", ctx, " positions");
+  if (q.numel() == 0) return;
+  const at::Tensor bl = blocks.to(at::kLong).contiguous();
+  const int64_t* bp = bl.data_ptr<int64_t>();
+  const int64_t slots = kc.size(1), d = kc.size(2);
+  for (int64_t i = 0; i < bl.numel(); ++i)
+    TORCH_CHECK(bp[i] >= 0 && (bp[i] + 1) * block_size <= slots, "prefill_attention_paged_bf16: block ", bp[i],
+                " is outside the cache");
+  auto slot = [&](int64_t p) { return bp[p / block_size] * block_size + p % block_size; };
+  AT_DISPATCH_SWITCH(kc.scalar_type(), "prefill_attention_paged_bf16",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      const float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+      run(q, out, ctx, kc.size(0), start, scale,
+          [&](int64_t, int64_t g, int64_t p) { return kp + (g * slots + slot(p)) * d; },
+          [&](int64_t, int64_t g, int64_t p) { return vp + (g * slots + slot(p)) * d; });
+    })
+    AT_DISPATCH_CASE(at::kHalf, [&] {
+      const at::Half *kp = kc.data_ptr<at::Half>(), *vp = vc.data_ptr<at::Half>();
+      run(q, out, ctx, kc.size(0), start, scale,
+          [&](int64_t, int64_t g, int64_t p) { return kp + (g * slots + slot(p)) * d; },
+          [&](int64_t, int64_t g, int64_t p) { return vp + (g * slots + slot(p)) * d; });
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      const at::BFloat16 *kp = kc.data_ptr<at::BFloat16>(), *vp = vc.data_ptr<at::BFloat16>();
+      run(q, out, ctx, kc.size(0), start, scale,
+          [&](int64_t, int64_t g, int64_t p) { return kp + (g * slots + slot(p)) * d; },
+          [&](int64_t, int64_t g, int64_t p) { return vp + (g * slots + slot(p)) * d; });
+    }));
+#else
+  TORCH_CHECK(false, "prefill_attention_paged_bf16 needs the avx512 kernel variant (AVX512_BF16)");
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(inferlab, m) {
+  m.def("prefill_attention_bf16(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int start, float scale) -> ()");
+  m.def("prefill_attention_paged_bf16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, int block_size, "
+        "Tensor(a!) out, int start, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(inferlab, CPU, m) {
+  m.impl("prefill_attention_bf16", &prefill_attention_bf16);
+  m.impl("prefill_attention_paged_bf16", &prefill_attention_paged_bf16);
+}
