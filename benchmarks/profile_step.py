@@ -11,7 +11,8 @@ buckets by name; the scheduler, output processing and sampler are timed by wrapp
 dispatch, and everything no bucket names. Medians are per step.
 
 Each column also gets its roof, from this machine measured in the same run (`measure_cpu`:
-streaming read bandwidth, float32 matmul rate): a decode step cannot beat (weight bytes + the
+streaming read bandwidth, the matmul rate of the products the model runs: bf16 where it
+multiplies in bf16, else float32): a decode step cannot beat (weight bytes + the
 K/V bytes its sequences' contexts hold) / bandwidth, a prefill step 2 × parameters × tokens
 (+ attention's 2 × 2 × layers × heads × head dim per query-key pair) / FLOP rate.
 """
@@ -169,10 +170,13 @@ def main() -> None:
         "prefill, 8 x 256 tokens": ([prompt(256) for _ in range(8)], 1, 0),  # a step of 32 clients' prompts
     }
     hw = measure_cpu(array_mib=512, repeats=5)
-    roof, wb = roofs(llm, hw.memory_bandwidth, hw.flops["fp32"], args.steps)
+    # The compute roof is the rate of the products the model runs: bf16 ones (oneDNN, vdpbf16ps)
+    # where it decided on bf16 products, float32 otherwise.
+    rate = "bf16" if llm.engine.runner.model.bf16_products else "fp32"
+    roof, wb = roofs(llm, hw.memory_bandwidth, hw.flops[rate], args.steps)
     print(f"model {llm.engine.model_name}, dtype {llm.engine.runner.dtype}, weights {wb / 1e6:.0f} MB as stored, "
           f"threads {torch.get_num_threads()}, load avg {os.getloadavg()[0]:.2f}; measured here: "
-          f"{hw.memory_bandwidth / 1e9:.1f} GB/s read, {hw.flops['fp32'] / 1e9:.0f} GFLOP/s float32 matmul")
+          f"{hw.memory_bandwidth / 1e9:.1f} GB/s read, {hw.flops[rate] / 1e9:.0f} GFLOP/s {rate} matmul")
     results = {}
     for name, (prompts, max_tokens, skip) in cases.items():
         steps = 1 if max_tokens == 1 else args.steps

@@ -235,6 +235,9 @@ class DecoderModel:
         t = input_ids.shape[0]
         x = self.embed.rows(input_ids).contiguous()  # a fresh tensor: safe to update in place
         delta: torch.Tensor | None = None
+        # A prefill-sized step with bf16 products: gate_up's output stays bf16 through silu_mul
+        # into the down product (the same roundings as through float32, two conversions fewer).
+        mlp_bf16 = self.bf16_products and t >= MKL_MIN_ROWS
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = self._norm(x, layer.input_norm) if delta is None else ops.add_rms_norm_(x, delta, layer.input_norm, eps)
             qkv = layer.qkv(h)
@@ -244,7 +247,10 @@ class DecoderModel:
             attn = paged_attention(q, k, v, (k_cache, v_cache), meta, self.scale, kv_written=True,
                                    bf16_products=self.bf16_products)
             h = ops.add_rms_norm_(x, layer.o(attn), layer.post_norm, eps)
-            delta = layer.down(ops.silu_mul(layer.gate_up(h)))
+            if mlp_bf16:
+                delta = layer.down.product_bf16(ops.silu_mul(layer.gate_up.product_bf16(h))).float()
+            else:
+                delta = layer.down(ops.silu_mul(layer.gate_up(h)))
         if delta is None:  # pragma: no cover - a model has layers
             return self._norm(x, self.final_norm)
         return ops.add_rms_norm_(x, delta, self.final_norm, eps)

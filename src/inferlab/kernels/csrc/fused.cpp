@@ -8,8 +8,9 @@
 //       rotated q [T, H, D] and k [T, kvH, D] (float32)
 //       (a fresh prompt attends to its own k and v without reading the cache back)
 //   silu_mul(x) -> out                                 x = [gate | up] -> silu(gate) * up
+//                                                      (float32, or bfloat16 in and out)
 //
-// float32 activations only (the caches may be 16-bit): the callers use them on the float32 compute path and fall back to torch
+// float32 activations (silu_mul also bf16; the caches may be 16-bit): the callers use them on the float32 compute path and fall back to torch
 // operators otherwise.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -18,6 +19,7 @@
 #include "rows.h"
 
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -117,9 +119,33 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at
   return {q, k};
 }
 
+// bf16 in and out (the avx512 variant's prefill: gate_up's oneDNN output is bf16 already and the
+// down product takes bf16): each row widened to float32, the same math, rounded once.
+at::Tensor silu_mul_bf16(const at::Tensor& x) {
+  const int64_t m = x.size(0), n = x.size(1) / 2;
+  at::Tensor out = at::empty({m, n}, x.options());
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> row;  // [gate | up | out], grown once per pool thread
+    row.resize(3 * n);
+    for (int64_t i = begin; i < end; ++i) {
+      const at::BFloat16* xr = xp + i * 2 * n;
+      for (int64_t j = 0; j < 2 * n; ++j) row[j] = static_cast<float>(xr[j]);
+      silu_mul_row(row.data(), row.data() + n, n, row.data() + 2 * n);
+      store_row(row.data() + 2 * n, op + i * n, n);
+    }
+  });
+  return out;
+}
+
 at::Tensor silu_mul(const at::Tensor& x) {
-  check_f32(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "x must be [M, 2 * I]");
+  if (x.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(x.is_contiguous(), "x must be contiguous");
+    return silu_mul_bf16(x);
+  }
+  check_f32(x, "x");
   const int64_t m = x.size(0), n = x.size(1) / 2;
   at::Tensor out = at::empty({m, n}, x.options());
   const float* xp = x.data_ptr<float>();

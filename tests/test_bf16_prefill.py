@@ -1,0 +1,59 @@
+"""The avx512 variant's bf16 prefill path: silu_mul in bf16, and gate_up -> silu_mul -> down kept in
+bf16 through a prefill-sized step: the same roundings as through float32 (bitwise), fewer conversions.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inferlab import SamplingParams
+from inferlab.config import CacheConfig, LoadConfig
+from inferlab.engine.model_runner import ModelRunner
+from inferlab.engine.outputs import ScheduledRequest
+from inferlab.kernels import build
+from inferlab.models import decoder
+from inferlab.models.decoder import DecoderModel
+from inferlab.models.dummy_loader import load_dummy
+from inferlab.models.testing import tiny_model_config
+
+pytestmark = pytest.mark.skipif(
+    not build.kernel_info().bf16_dot,
+    reason=f"needs the avx512 kernel variant (AVX512_BF16); this CPU runs {build.kernel_info().variant}")
+
+
+def test_silu_mul_in_bf16_is_float32_rounded_once():
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(37, 2 * 200, generator=g) * 3).bfloat16()
+    got = torch.ops.inferlab.silu_mul(x)
+    assert got.dtype == torch.bfloat16
+    want = torch.ops.inferlab.silu_mul(x.float()).bfloat16()
+    assert torch.equal(got, want)
+
+
+def test_bf16_mlp_path_gives_the_float32_path_bits(monkeypatch):
+    """A 200-token prefill with bf16 weights: hidden states bitwise equal with the bf16 MLP path
+    on and off (off: MKL_MIN_ROWS out of reach, so the step takes the float32 MLP as before)."""
+    cfg = tiny_model_config("llama", hidden_size=128, intermediate_size=384)
+    runner = ModelRunner(cfg, load_dummy(cfg, torch.float32).weights,
+                         LoadConfig(dtype="float32", weight_dtype="bfloat16"),
+                         CacheConfig(block_size=16, num_blocks_override=32))
+    model: DecoderModel = runner.model
+    assert model.bf16_products
+    req = ScheduledRequest("r", list(range(3, 203)), 0, list(range(1, 14)), True, SamplingParams(), [], [])
+    ids, positions, meta, _ = runner._prepare([], [req])
+    ran: list[bool] = []
+    real = model.layers[0].gate_up.product_bf16
+
+    def spy(x):
+        ran.append(True)
+        return real(x)
+
+    monkeypatch.setattr(model.layers[0].gate_up, "product_bf16", spy)
+    on = model.forward(ids, positions, runner.kv_caches, meta)
+    assert ran  # the bf16 path ran
+    monkeypatch.setattr(decoder, "MKL_MIN_ROWS", 10**9)
+    ran.clear()
+    off = model.forward(ids, positions, runner.kv_caches, meta)
+    assert not ran
+    assert torch.equal(on, off)
