@@ -16,7 +16,8 @@ import pytest
 from server_harness import sse_events, wait_until
 
 from inferlab.cli import build_parser
-from inferlab.server.cli import _engine_config, parse_size
+from inferlab.engine.engine_args import parse_size
+from inferlab.server.cli import _engine_config
 
 TESTS = Path(__file__).parent
 

@@ -6,11 +6,11 @@ import argparse
 import json
 import sys
 
-from inferlab.config import WEIGHT_DTYPES
+from inferlab.engine.engine_args import EngineArgs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", default=None, help="GGUF file, HF directory or hub id (default: SmolLM2-135M-Instruct)")
+    EngineArgs.add_cli_args(p, skip=("seed",))  # --seed here is the sampling seed
     src = p.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", default=None, help="the user's message (wrapped in the chat template unless --raw)")
     src.add_argument("--messages", default=None, help='chat messages as JSON: [{"role": "user", "content": "..."}], or @file.json')
@@ -20,7 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", dest="sampling_seed", type=int, default=None,
+                   help="the sampling seed (default: a fresh one)")
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
@@ -28,12 +29,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("-n", type=int, default=1, help="number of replies")
     p.add_argument("--logprobs", type=int, default=None)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--weight-dtype", default="auto", choices=list(WEIGHT_DTYPES),
-                   help="how the linear layers' weights are stored (auto: float16 when --dtype auto computes "
-                        "in float32 on the CPU and our kernels load, else as --dtype)")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--load-format", default="auto", choices=["auto", "gguf", "hf", "dummy"])
     p.add_argument("--json", action="store_true", help="print text, token ids, finish reason, usage and timings as JSON")
 
 
@@ -64,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         top_k=args.top_k,
         min_p=args.min_p,
-        seed=args.seed,
+        seed=args.sampling_seed,
         repetition_penalty=args.repetition_penalty,
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
@@ -78,8 +73,7 @@ def run(args: argparse.Namespace) -> int:
         args.prompt = "In one sentence, why might a parcel arrive a day late?"
     from inferlab.entrypoints.llm import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, weight_dtype=args.weight_dtype, max_model_len=args.max_model_len,
-              load_format=args.load_format)
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
     if messages is not None:
         out = llm.chat(messages, params)[0]
     elif args.raw:

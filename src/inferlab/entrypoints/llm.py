@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from inferlab.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig
+from inferlab.engine.engine_args import EngineArgs
 from inferlab.engine.llm_engine import LLMEngine
 from inferlab.engine.request import RequestOutput, SamplingParams
 
@@ -22,60 +23,18 @@ class LLM:
     reads), else the compute dtype; or "float32" | "bfloat16" | "float16" | "int8" | "w8a8"
     (int8 weights and int8 activations, integer dot products: where the CPU has VNNI).
     kv_cache_dtype is how K and V are stored: "auto" is float16 where "auto" weights are, else
-    the compute dtype; or "float32" | "bfloat16" | "float16".
+    the compute dtype; or "float32" | "bfloat16" | "float16". Every other engine setting is a
+    keyword too: the fields of EngineArgs, the same settings `inferlab serve` takes as flags.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "auto",
-        weight_dtype: str = "auto",
-        kv_cache_dtype: str = "auto",
-        load_format: str = "auto",
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int = 2048,
-        enable_chunked_prefill: bool = True,
-        long_prefill_token_threshold: int = 0,
-        block_size: int = 16,
-        kv_cache_memory: int | None = None,
-        num_kv_blocks: int | None = None,
-        enable_prefix_caching: bool = True,
-        seed: int = 0,
-        num_threads: int | None = None,
-        heap_trim_interval_s: float | None = 5.0,
-        hf_config_path: str | None = None,
-        device: str = "cpu",
-    ):
-        config = EngineConfig(
-            load=LoadConfig(
-                model=model,
-                load_format=load_format,
-                dtype=dtype,
-                weight_dtype=weight_dtype,
-                seed=seed,
-                hf_config_path=hf_config_path,
-                device=device,
-            ),
-            cache=CacheConfig(
-                block_size=block_size,
-                kv_cache_memory=kv_cache_memory,
-                num_blocks_override=num_kv_blocks,
-                enable_prefix_caching=enable_prefix_caching,
-                cache_dtype=kv_cache_dtype,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
-                enable_chunked_prefill=enable_chunked_prefill,
-                long_prefill_token_threshold=long_prefill_token_threshold,
-            ),
-            num_threads=num_threads,
-            heap_trim_interval_s=heap_trim_interval_s,
-        )
-        self.engine = LLMEngine(config)
+    def __init__(self, model: str | None = None, **engine_args: Any):
+        """`engine_args`: any field of EngineArgs (engine/engine_args.py), e.g. dtype="float32",
+        max_num_seqs=8; an unknown name is a TypeError naming it."""
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_args).create_engine_config())
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
+        return cls(**dataclasses.asdict(engine_args))
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -14,52 +14,21 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import signal
 import sys
 import threading
 
-from inferlab.config import KV_CACHE_DTYPES, WEIGHT_DTYPES
+from inferlab.config import EngineConfig
+from inferlab.engine.engine_args import EngineArgs, parse_size
 from inferlab.server.limits import HttpLimits
-
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4,
-}  # fmt: skip
-
-
-def parse_size(text: str) -> int:
-    """'2GiB' → 2147483648, '500MB' → 500000000, '1e9' → 1000000000 (bytes)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _SIZE_UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 2GiB, 512MiB, 1.5GB)")
-    value = int(float(m.group(1)) * _SIZE_UNITS[unit])
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"the size must be > 0, got {text!r}")
-    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", default=None, help="GGUF file, HF directory or hub id (default: SmolLM2-135M-Instruct)")
+    EngineArgs.add_cli_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", "--alias", dest="served_model_name", nargs="+", default=None,
                    help="the model name(s) clients use and replies report (default: the model's own name)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context window in tokens (default 2048)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="running requests at most (default 64)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per engine step (default 2048)")
-    p.add_argument("--kv-cache-memory", type=parse_size, default=None, help="bytes for the KV cache, e.g. 2GiB")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--no-prefix-caching", action="store_true", help="turn off reuse of cached prompt prefixes")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--weight-dtype", default="auto", choices=list(WEIGHT_DTYPES),
-                   help="how the linear layers' weights are stored (auto: float16 when --dtype auto computes "
-                        "in float32 on the CPU and our kernels load, else as --dtype)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                   help="how K and V are stored (auto: float16 where --weight-dtype auto is float16, else as --dtype)")
-    p.add_argument("--load-format", default="auto", choices=["auto", "gguf", "hf", "dummy"])
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on inference routes (or set INFERLAB_API_KEY)")
     p.add_argument("--api-keys", metavar="FILE", default=None,
@@ -87,33 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--log-prompts", action="store_true", help="include prompt text in the request log lines")
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
-    p.add_argument("--heap-trim-interval", type=float, default=5.0,
-                   help="seconds between returns of freed C-heap pages to the OS while busy, and at every idle "
-                        "point (default 5; a negative value turns it off)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])  # fmt: skip
 
 
-def _engine_config(args: argparse.Namespace):
-    from inferlab.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig
-
-    sched: dict = {}
-    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
-        if getattr(args, name) is not None:
-            sched[name] = getattr(args, name)
-    return EngineConfig(
-        load=LoadConfig(model=args.model, load_format=args.load_format, dtype=args.dtype,
-                        weight_dtype=args.weight_dtype),
-        cache=CacheConfig(
-            block_size=args.block_size,
-            kv_cache_memory=args.kv_cache_memory,
-            enable_prefix_caching=not args.no_prefix_caching,
-            cache_dtype=args.kv_cache_dtype,
-        ),
-        scheduler=SchedulerConfig(**sched),
-        num_threads=args.num_threads,
-        heap_trim_interval_s=args.heap_trim_interval if args.heap_trim_interval >= 0 else None,
-    )
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineArgs.from_cli_args(args).create_engine_config()
 
 
 # A public server's queue is bounded by default: requests that would wait longer than a few
