@@ -199,3 +199,19 @@ def test_api_key():
         r, events = stream(srv, "/v1/completions", {"prompt": "p", "max_tokens": 2},
                            headers={"Authorization": "Bearer sekrit"})  # fmt: skip
         assert r.status_code == 200 and text_of(events) == " w0 w1"
+
+
+def test_session_policy_is_sticky_per_header_and_user():
+    with fakes(("ok",), ("ok",), ("ok",)) as servers, router([s.base_url for s in servers], policy="session") as srv:
+        homes: dict[str, set[str]] = {}
+        for i in range(12):
+            key = f"user-{i % 4}"
+            body = {"prompt": "p", "max_tokens": 1}
+            if i % 2:
+                r, _ = stream(srv, "/v1/completions", body, headers={"X-Session-ID": key})
+            else:
+                r, _ = stream(srv, "/v1/completions", {**body, "user": key})
+            homes.setdefault(key, set()).add(r.headers[REPLICA_HEADER])
+        assert all(len(h) == 1 for h in homes.values()), homes
+        samples = scrape(srv.base_url)
+        assert metric(samples, "inferlab:router_decisions_total", policy="session", reason="session") == 12
