@@ -94,13 +94,14 @@ class LocalTokenizer:
 
 
 class RemoteTokenizer:
-    """POST /tokenize to the first ready replica that answers."""
+    """POST /tokenize to a ready replica (in turn; a second one if the first fails)."""
 
     def __init__(self, client: httpx.AsyncClient, headers: dict[str, str] | None = None, timeout_s: float = 2.0):
         self.client = client
         self.headers = headers or {}
         self.timeout_s = timeout_s
         self.calls = 0
+        self._turn = 0  # rotates the first replica asked, so no one replica tokenizes for all
 
     async def token_ids(self, spec: PromptSpec, replicas: Sequence[str]) -> list[int] | None:
         if spec.kind == "ids":
@@ -109,7 +110,9 @@ class RemoteTokenizer:
             body: dict[str, Any] = {"messages": list(spec.messages), "add_generation_prompt": spec.add_generation_prompt}
         else:
             body = {"prompt": spec.text, "add_special_tokens": spec.add_special_tokens}
-        for url in replicas[:2]:
+        self._turn += 1
+        start = self._turn % max(len(replicas), 1)
+        for url in [*replicas[start:], *replicas[:start]][:2]:
             self.calls += 1
             try:
                 r = await self.client.post(url + "/tokenize", json=body, headers=self.headers, timeout=self.timeout_s)
