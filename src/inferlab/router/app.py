@@ -182,7 +182,8 @@ def build_router_app(settings: RouterSettings, *, tokenizer: PromptTokenizer | N
         spec = prompt_spec(chat, payload)
         names = [r.name for r in fleet.routable()]
         ids = None
-        if spec is not None and names and fleet.policy.name == "cache-aware":
+        # Only cache-aware scores prefixes; `cache_prompt: false` asks the replica not to reuse one.
+        if spec is not None and names and fleet.policy.name == "cache-aware" and payload.get("cache_prompt") is not False:
             ids = await holder["tokenizer"].token_ids(spec, names)
         salt = payload.get("cache_salt") if isinstance(payload.get("cache_salt"), str) else None
         request = fleet.request(ids, salt, str(session) if session is not None else None)
