@@ -15,6 +15,7 @@ from fake_openai_server import FakeOpenAIServer
 from server_harness import ServerThread, metric, scrape, sse_events, wait_until
 
 from inferlab.router.app import RouterSettings, build_router_app
+from inferlab.router.health import HealthConfig
 from inferlab.router.proxy import REPLICA_HEADER
 
 
@@ -131,8 +132,8 @@ def test_retry_on_5xx_before_the_first_byte():
 def test_replica_gone_after_ready_is_ejected_and_retried():
     """The probe still believes in it (slow probes): the refused connection ejects it at once
     and the request goes to the other replica, the client sees nothing."""
-    with fakes(("ok",), ("ok",)) as (a, b), router([a.base_url, b.base_url], policy="round-robin",
-                                                   probe_interval_s=30) as srv:  # fmt: skip
+    with fakes(("ok",), ("ok",)) as (a, b), router([a.base_url, b.base_url], policy="round-robin", probe_interval_s=30,
+                                                   health=HealthConfig(ejection_s=60)) as srv:  # fmt: skip
         a.stop()
         for _ in range(3):
             r, events = stream(srv, "/v1/completions", {"prompt": "p", "max_tokens": 2})
