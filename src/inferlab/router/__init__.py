@@ -13,4 +13,8 @@ router and `inferlab simulate` can drive the same code:
 
 The HTTP side: app.py (routes), proxy.py (upstream calls, retries, SSE passthrough),
 probes.py (health and metrics polling), tokens.py (prompt → token ids), metrics.py, cli.py.
+
+Seams for what comes next: KV events from replicas feed `PrefixIndex.apply()` (BlockStored /
+BlockRemoved / AllCleared; sequence numbers, epochs and resync sit in front of it); a simulator
+drives `Fleet` with its own clock; a canary is a `Policy` that wraps two pools.
 """
