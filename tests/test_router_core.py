@@ -265,3 +265,25 @@ def test_first_token_calibrates_the_prefill_rate():
         fleet.first_token(t)
         fleet.finish(t, "ok")
     assert 3500 < st.prefill_rate < 4100
+
+
+def test_a_restarted_replica_is_readmitted_with_an_empty_index():
+    clock = Clock()
+    fleet = Fleet(["a", "b"], CacheAware(), health=HealthConfig(ejection_s=1.0), clock=clock)
+    for n in ("a", "b"):
+        fleet.probe_ok(n, info=ReplicaInfo(block_size=4, known=True))
+    req = fleet.request(list(range(40)))
+    t = fleet.dispatch(fleet.route(req), req)
+    home = t.replica
+    assert fleet.index.size(home) == 10
+    assert fleet.finish(t, "fatal", "connection reset")  # SIGKILLed mid-stream: ejected at once
+    assert fleet.index.size(home) == 0
+    fleet.probe_failed(home, "refused")
+    clock.t += 5
+    assert home not in [r.name for r in fleet.routable()]  # down: no traffic
+    fleet.probe_ok(home)  # restarted
+    assert home in [r.name for r in fleet.routable()]  # half-open: one trial
+    trial = fleet.dispatch(fleet.route(req, exclude=[n for n in ("a", "b") if n != home]), req)
+    assert home not in [r.name for r in fleet.routable()]  # while the trial runs
+    fleet.finish(trial, "ok")
+    assert fleet.states()[home] == "healthy"
