@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("inferlab.bench.cli", "load-test an OpenAI-compatible server and report latency, throughput, cost"),
     "plan": ("inferlab.plan.cli", "predict memory, speed and cost on paper"),
     "simulate": ("inferlab.plan.simulate_cli", "simulate the scheduler step by step with a cost model"),
+    "router": ("inferlab.router.cli", "route OpenAI requests over several replicas (cache-aware, health, retries)"),
 }
 
 

@@ -1,0 +1,87 @@
+"""`inferlab router`: one OpenAI endpoint in front of several `inferlab serve` replicas.
+
+    inferlab router --backend http://127.0.0.1:8001 --backend http://127.0.0.1:8002
+    inferlab router --backend URL --backend URL --policy least-load --port 9000 --api-key secret
+    inferlab router --backend URL --backend URL --tokenizer SmolLM2-135M-Instruct   # tokenize locally
+
+Backends that are down at start are reported unhealthy and get traffic once a probe finds them
+ready. SIGTERM (or Ctrl-C) stops accepting connections and lets in-flight requests finish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+
+from inferlab.router.policies import POLICIES
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", action="append", required=True, metavar="URL",
+                   help="a replica's base URL (repeat for each replica), e.g. http://127.0.0.1:8001")
+    p.add_argument("--policy", default="cache-aware", choices=list(POLICIES),
+                   help="cache-aware: lowest predicted TTFT from cached prefix and queue (bounded load); "
+                        "least-load: fewest in flight; round-robin; session: sticky per `user` or --session-header")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' from clients (or set INFERLAB_API_KEY); also sent to "
+                        "the backends unless --backend-api-key is given")
+    p.add_argument("--backend-api-key", default=None, help="the key to send to the backends")
+    p.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
+    p.add_argument("--tokenizer", default=None, metavar="MODEL",
+                   help="tokenize prompts in the router with this model's tokenizer (no round trip); "
+                        "default: ask a ready backend's /tokenize")
+    p.add_argument("--session-header", default="x-session-id", help="header naming a session (else the body's `user`)")
+    p.add_argument("--max-retries", type=int, default=2, help="other replicas tried before the first byte (default 2)")
+    p.add_argument("--probe-interval", type=float, default=0.5, help="seconds between health probes (default 0.5)")
+    p.add_argument("--prefix-ttl", type=float, default=120.0,
+                   help="seconds a routed prompt's blocks are assumed cached on its replica (default 120)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def settings_from_args(args: argparse.Namespace):
+    from inferlab.router.app import RouterSettings, normalize_backend
+    from inferlab.router.proxy import ProxySettings
+
+    backends = tuple(normalize_backend(b) for b in args.backend)
+    if len(set(backends)) != len(backends):
+        raise ValueError("the same --backend is given twice")
+    if args.max_retries < 0:
+        raise ValueError(f"--max-retries must be >= 0, got {args.max_retries}")
+    if args.probe_interval <= 0 or args.prefix_ttl <= 0:
+        raise ValueError("--probe-interval and --prefix-ttl must be > 0")
+    return RouterSettings(
+        backends=backends,
+        policy=args.policy,
+        api_key=args.api_key or os.environ.get("INFERLAB_API_KEY") or None,
+        backend_api_key=args.backend_api_key,
+        metrics_public=args.metrics_public,
+        tokenizer=args.tokenizer,
+        session_header=args.session_header.lower(),
+        probe_interval_s=args.probe_interval,
+        metrics_max_age_s=max(2.0, 4 * args.probe_interval),
+        prefix_ttl_s=args.prefix_ttl,
+        proxy=ProxySettings(max_retries=args.max_retries),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from inferlab.router.app import build_router_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = build_router_app(settings_from_args(args))
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           access_log=False, timeout_graceful_shutdown=args.shutdown_timeout,
+                                           lifespan="on"))  # fmt: skip
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # see server/cli.py run_server
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0
