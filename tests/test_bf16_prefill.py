@@ -1,5 +1,6 @@
-"""The avx512 variant's bf16 prefill path: silu_mul in bf16, and gate_up -> silu_mul -> down kept in
-bf16 through a prefill-sized step: the same roundings as through float32 (bitwise), fewer conversions.
+"""The avx512 variant's bf16 prefill path: silu_mul and add_rms_norm_ in bf16, and every product's
+output passed on in bf16 through a prefill-sized step: the same roundings as through float32
+(bitwise), fewer conversions.
 """
 
 from __future__ import annotations
@@ -31,9 +32,22 @@ def test_silu_mul_in_bf16_is_float32_rounded_once():
     assert torch.equal(got, want)
 
 
-def test_bf16_mlp_path_gives_the_float32_path_bits(monkeypatch):
-    """A 200-token prefill with bf16 weights: hidden states bitwise equal with the bf16 MLP path
-    on and off (off: MKL_MIN_ROWS out of reach, so the step takes the float32 MLP as before)."""
+def test_add_rms_norm_takes_and_gives_bf16():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(20, 96, generator=g)
+    r = torch.randn(20, 96, generator=g).bfloat16()
+    w = torch.rand(96, generator=g) + 0.5
+    ops = torch.ops.inferlab
+    x1, x2 = x.clone(), x.clone()
+    got = ops.add_rms_norm_(x1, r, w, 1e-5, True)
+    want = ops.add_rms_norm_(x2, r.float(), w, 1e-5)
+    assert got.dtype == torch.bfloat16 and torch.equal(x1, x2)
+    assert torch.equal(got, want.bfloat16())
+
+
+def test_bf16_step_gives_the_float32_path_bits(monkeypatch):
+    """A 200-token prefill with bf16 weights: hidden states bitwise equal with the bf16 path on
+    and off (off: MKL_MIN_ROWS out of reach, so the step converts around every operator as before)."""
     cfg = tiny_model_config("llama", hidden_size=128, intermediate_size=384)
     runner = ModelRunner(cfg, load_dummy(cfg, torch.float32).weights,
                          LoadConfig(dtype="float32", weight_dtype="bfloat16"),

@@ -103,3 +103,22 @@ def test_a_pair_without_a_fast_path_says_so_in_one_warning(caplog, tmp_path):
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "\n" not in warnings[0]
     assert "no fast path for int8 weights with bfloat16 compute" in warnings[0] and "dtype auto" in warnings[0]
+
+
+def test_a_build_lock_left_by_a_dead_process_is_removed(tmp_path, caplog):
+    """torch's `lock` file outlives a build killed midway (and every later process would wait on
+    it forever); under our flock such a file can only be stale, and is removed."""
+    (tmp_path / "lock").write_text("")
+    with caplog.at_level("WARNING"), build.build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    assert "did not finish" in caplog.text
+
+
+def test_the_build_lock_is_held_by_one_process_at_a_time(tmp_path):
+    import fcntl
+
+    with build.build_lock(tmp_path), open(tmp_path / "inferlab.flock") as other:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(tmp_path / "inferlab.flock") as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released on exit

@@ -78,7 +78,9 @@ def test_silu_mul_is_exact_enough_over_the_whole_range(ops):
 
 def test_the_operators_refuse_other_dtypes(ops):
     with pytest.raises(RuntimeError, match="float32"):
-        ops.silu_mul(torch.randn(2, 8, dtype=torch.bfloat16))
+        ops.silu_mul(torch.randn(2, 8, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.add_rms_norm_(torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(2, 8), torch.ones(8), 1e-5)
 
 
 # ---- the decoder's fused forward against its plain-operator forward ----

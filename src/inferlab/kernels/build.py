@@ -23,13 +23,16 @@ changed source or torch rebuilds and a clean machine builds once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -152,6 +155,27 @@ def _cache_dir(sources: list[Path], cflags: list[str] | None = None) -> Path:
     return cache_root() / "kernels" / h.hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold an flock on the build directory while torch builds or loads into it.
+
+    Why: torch's own lock (a `lock` file it creates, then waits on while it exists) outlives a
+    process killed mid-build, and every later process then waits on it forever. An flock is
+    released by the kernel when its holder dies, so one holder at a time builds, and a torch
+    `lock` file found while we hold ours was left by a dead process: removed, with a warning.
+    """
+    with open(build_dir / "inferlab.flock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a kernel build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _build(variant: str, flags: tuple[str, ...], why: str) -> KernelInfo:
     """Compile (or find compiled) and load one variant; a KernelInfo of "none" with the reason
     when that fails."""
@@ -172,9 +196,10 @@ def _build(variant: str, flags: tuple[str, ...], why: str) -> KernelInfo:
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
         log.info("loading inferlab CPU kernels, %s variant (first use compiles them, ~35 s on 2 cores) from %s",
                  variant, build_dir)
-        cpp_load(name=f"inferlab_kernels_{variant}", sources=[str(s) for s in sources], extra_cflags=cflags,
-                 extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False,
-                 verbose=False)
+        with build_lock(build_dir):
+            cpp_load(name=f"inferlab_kernels_{variant}", sources=[str(s) for s in sources], extra_cflags=cflags,
+                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False,
+                     verbose=False)
         compiled = str(torch.ops.inferlab.compiled_isa())
     except Exception as e:  # a compiler error, a missing ninja: fall back, keep the reason
         msg = str(e).strip()

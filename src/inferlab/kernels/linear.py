@@ -183,14 +183,20 @@ class WeightOnlyLinear:
             return ops.linear_w8(x, self.weight, self.scale, self.bias, MKL_MIN_ROWS, self.row_sums)
         return ops.linear_w16(x, self.weight, self.bias, MKL_MIN_ROWS)
 
-    def product_bf16(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W^T as bf16, for bf16 weights and a caller that takes bf16 (silu_mul, the next
-        product): what `kernel` computes from MKL_MIN_ROWS rows on (oneDNN, output rounded to bf16)
-        without widening the output to float32 and rounding it again on the way in."""
+    def product_bf16(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """x @ W^T for bf16 weights through oneDNN's bf16 GEMM, x given in float32 or bf16, the
+        output bf16 or float32 (+ bias in float32): exactly what `kernel` computes from
+        MKL_MIN_ROWS rows on, for callers that pass bf16 between operators (silu_mul, add_rms_norm_)
+        instead of widening to float32 and rounding again on the way in."""
         if self.weight.dtype != torch.bfloat16:
             raise ValueError(f"product_bf16 needs bf16 weights, these are {self.weight.dtype}")
         y = linear(x.to(torch.bfloat16), self.weight)
-        return y if self.bias is None else (y.float() + self.bias).to(torch.bfloat16)
+        if out_dtype == torch.bfloat16 and self.bias is None:
+            return y
+        y = y.float()
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.to(out_dtype)
 
     def fallback(self, x: torch.Tensor) -> torch.Tensor:
         """Plain torch, same math: the weight dequantized to x's dtype, then F.linear."""

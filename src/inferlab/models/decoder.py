@@ -235,21 +235,27 @@ class DecoderModel:
         t = input_ids.shape[0]
         x = self.embed.rows(input_ids).contiguous()  # a fresh tensor: safe to update in place
         delta: torch.Tensor | None = None
-        # A prefill-sized step with bf16 products: gate_up's output stays bf16 through silu_mul
-        # into the down product (the same roundings as through float32, two conversions fewer).
-        mlp_bf16 = self.bf16_products and t >= MKL_MIN_ROWS
+        # A prefill-sized step with bf16 products: the products' bf16 outputs are passed on as
+        # they are (the norm adds them to x, silu_mul takes gate_up's) and the norms round their
+        # output to bf16 once for the next product: the same roundings as through float32
+        # (bitwise), without the conversions (kernels/linear.py product_bf16).
+        bf16 = self.bf16_products and t >= MKL_MIN_ROWS
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            h = self._norm(x, layer.input_norm) if delta is None else ops.add_rms_norm_(x, delta, layer.input_norm, eps)
-            qkv = layer.qkv(h)
+            if delta is None:
+                h = self._norm(x, layer.input_norm)
+            else:
+                h = ops.add_rms_norm_(x, delta, layer.input_norm, eps, bf16)
+            qkv = layer.qkv.product_bf16(h, torch.float32) if bf16 else layer.qkv(h)
             q, k = ops.rope_write_kv(qkv, positions, self.cos, self.sin, k_cache, v_cache, meta.slot_mapping,
                                      c.num_heads, c.num_kv_heads, c.head_dim)
             v = qkv[:, self.q_size + self.kv_size :].view(t, c.num_kv_heads, c.head_dim)  # fresh prompts read it
             attn = paged_attention(q, k, v, (k_cache, v_cache), meta, self.scale, kv_written=True,
                                    bf16_products=self.bf16_products)
-            h = ops.add_rms_norm_(x, layer.o(attn), layer.post_norm, eps)
-            if mlp_bf16:
-                delta = layer.down.product_bf16(ops.silu_mul(layer.gate_up.product_bf16(h))).float()
+            if bf16:
+                h = ops.add_rms_norm_(x, layer.o.product_bf16(attn), layer.post_norm, eps, True)
+                delta = layer.down.product_bf16(ops.silu_mul(layer.gate_up.product_bf16(h)))
             else:
+                h = ops.add_rms_norm_(x, layer.o(attn), layer.post_norm, eps)
                 delta = layer.down(ops.silu_mul(layer.gate_up(h)))
         if delta is None:  # pragma: no cover - a model has layers
             return self._norm(x, self.final_norm)

@@ -30,25 +30,40 @@ void check_f32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
-at::Tensor add_rms_norm_(at::Tensor x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
+// residual float32, or bfloat16 (a bf16 product's output, widened exactly); the output float32,
+// or rounded to bf16 when bf16_out (the next product's input on the avx512 variant's prefill).
+at::Tensor add_rms_norm_(at::Tensor x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                         bool bf16_out) {
   check_f32(x, "x");
-  check_f32(residual, "residual");
+  const bool bf16_residual = residual.scalar_type() == at::kBFloat16;
+  if (!bf16_residual) check_f32(residual, "residual");
+  TORCH_CHECK(residual.is_contiguous(), "residual must be contiguous");
   check_f32(weight, "weight");
   TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes(), "x and residual must be the same [T, hidden]");
   const int64_t t = x.size(0), n = x.size(1);
   TORCH_CHECK(weight.numel() == n, "weight must have ", n, " elements");
-  at::Tensor out = at::empty_like(x);
+  at::Tensor out = at::empty_like(x, bf16_out ? x.options().dtype(at::kBFloat16) : x.options());
   float* xp = x.data_ptr<float>();
-  const float* rp = residual.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const float feps = static_cast<float>(eps);
   at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> row;  // the normed row before its rounding to bf16
+    if (bf16_out) row.resize(n);
     for (int64_t i = begin; i < end; ++i) {
       float* xr = xp + i * n;
-      const float* rr = rp + i * n;
-      for (int64_t j = 0; j < n; ++j) xr[j] += rr[j];
-      rms_norm_row(xr, wp, n, feps, op + i * n);
+      if (bf16_residual) {
+        const at::BFloat16* rr = residual.data_ptr<at::BFloat16>() + i * n;
+        for (int64_t j = 0; j < n; ++j) xr[j] += static_cast<float>(rr[j]);
+      } else {
+        const float* rr = residual.data_ptr<float>() + i * n;
+        for (int64_t j = 0; j < n; ++j) xr[j] += rr[j];
+      }
+      if (bf16_out) {
+        rms_norm_row(xr, wp, n, feps, row.data());
+        store_row(row.data(), out.data_ptr<at::BFloat16>() + i * n, n);
+      } else {
+        rms_norm_row(xr, wp, n, feps, out.data_ptr<float>() + i * n);
+      }
     }
   });
   return out;
@@ -159,7 +174,7 @@ at::Tensor silu_mul(const at::Tensor& x) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(inferlab, m) {
-  m.def("add_rms_norm_(Tensor(a!) x, Tensor residual, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor residual, Tensor weight, float eps, bool bf16_out=False) -> Tensor");
   m.def("rope_write_kv(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slots, int num_heads, int num_kv_heads, int head_dim) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor x) -> Tensor");

@@ -62,10 +62,6 @@ inline uint16_t to_bf16(float f) {  // round to nearest even, as vcvtneps2bf16 d
   return static_cast<uint16_t>(u >> 16);
 }
 
-inline float to_f(float v) { return v; }
-inline float to_f(at::Half v) { return static_cast<float>(v); }
-inline float to_f(at::BFloat16 v) { return static_cast<float>(v); }
-
 // exp on 16 floats: the range reduction and polynomial of simd.h's exp8, on 512-bit registers.
 inline __m512 exp16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
@@ -84,36 +80,60 @@ inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
-// The packed K^T [D/2][ctxp][2] and V [ctxp/2][D][2] of one (sequence, KV head); row(pos)
-// points at that position's D values of K (or V).
+// One row of d values to bf16 (round to nearest even), 16 at a time.
+inline void row_to_bf16(const float* r, int64_t d, uint16_t* out) {
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    const __m256bh b = _mm512_cvtneps_pbh(_mm512_loadu_ps(r + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)b);
+  }
+  for (; i < d; ++i) out[i] = to_bf16(r[i]);
+}
+inline void row_to_bf16(const at::Half* r, int64_t d, uint16_t* out) {
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + i)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(f));
+  }
+  for (; i < d; ++i) out[i] = to_bf16(static_cast<float>(r[i]));
+}
+inline void row_to_bf16(const at::BFloat16* r, int64_t d, uint16_t* out) {
+  std::memcpy(out, r, sizeof(uint16_t) * d);
+}
+
+// The packed K^T [D/2][ctxp][2] and V [ctxp/2][D][2] of one (sequence, KV head), zero past ctx;
+// row(pos) points at that position's D values of K (or V). A pair of bf16 is one uint32: K^T
+// is the [ctxp, D/2] matrix of a key's pairs transposed, V interleaves two keys' rows.
 template <typename Row>
-void pack_kt(Row row, int64_t ctx, int64_t ctxp, int64_t d, uint16_t* out) {
+void pack_kt(Row row, int64_t ctx, int64_t ctxp, int64_t d, uint16_t* out, std::vector<uint16_t>& tmp) {
+  tmp.resize(d);
+  auto* o32 = reinterpret_cast<uint32_t*>(out);
+  const auto* t32 = reinterpret_cast<const uint32_t*>(tmp.data());
   for (int64_t p = 0; p < ctxp; ++p) {
-    if (p < ctx) {
-      auto r = row(p);
-      for (int64_t i = 0; i < d; ++i) out[((i / 2) * ctxp + p) * 2 + (i & 1)] = to_bf16(to_f(r[i]));
-    } else {
-      for (int64_t i = 0; i < d; ++i) out[((i / 2) * ctxp + p) * 2 + (i & 1)] = 0;
-    }
+    if (p < ctx) row_to_bf16(row(p), d, tmp.data());
+    else std::fill(tmp.begin(), tmp.end(), uint16_t{0});
+    for (int64_t i = 0; i < d / 2; ++i) o32[i * ctxp + p] = t32[i];
   }
 }
 
 template <typename Row>
-void pack_v(Row row, int64_t ctx, int64_t ctxp, int64_t d, uint16_t* out) {
-  for (int64_t p = 0; p < ctxp; ++p) {
-    uint16_t* o = out + (p / 2) * d * 2 + (p & 1);
-    if (p < ctx) {
-      auto r = row(p);
-      for (int64_t i = 0; i < d; ++i) o[i * 2] = to_bf16(to_f(r[i]));
-    } else {
-      for (int64_t i = 0; i < d; ++i) o[i * 2] = 0;
-    }
+void pack_v(Row row, int64_t ctx, int64_t ctxp, int64_t d, uint16_t* out, std::vector<uint16_t>& tmp) {
+  tmp.resize(2 * d);
+  uint16_t *a = tmp.data(), *b = tmp.data() + d;
+  auto* o32 = reinterpret_cast<uint32_t*>(out);
+  for (int64_t p = 0; p < ctxp; p += 2) {
+    if (p < ctx) row_to_bf16(row(p), d, a);
+    else std::fill(a, a + d, uint16_t{0});
+    if (p + 1 < ctx) row_to_bf16(row(p + 1), d, b);
+    else std::fill(b, b + d, uint16_t{0});
+    uint32_t* o = o32 + (p / 2) * d;
+    for (int64_t i = 0; i < d; ++i) o[i] = static_cast<uint32_t>(a[i]) | (static_cast<uint32_t>(b[i]) << 16);
   }
 }
 
 struct Scratch {  // per pool thread, grown once
   std::vector<uint16_t> a, p;
-  std::vector<float> s, o, m, l;
+  std::vector<float> s, o, m, l, qrow;
 };
 
 // One task: kv head g of sequence b, query positions q0 .. q0 + nq - 1 (start + q0 .. in the
@@ -128,9 +148,11 @@ void attend_block(const float* q, const int64_t qs[3], float* out, const int64_t
   sc.o.assign(rows * d, 0.0f);
   sc.m.assign(rows, -std::numeric_limits<float>::infinity());
   sc.l.assign(rows, 0.0f);
+  sc.qrow.resize(d);
   for (int64_t r = 0; r < rows; ++r) {  // Q rows, scaled, to bf16
     const float* src = q + (q0 + r / g_heads) * qs[0] + (g * g_heads + r % g_heads) * qs[1];
-    for (int64_t i = 0; i < d; ++i) sc.a[r * d + i] = to_bf16(src[i] * scale);
+    for (int64_t i = 0; i < d; ++i) sc.qrow[i] = src[i] * scale;
+    row_to_bf16(sc.qrow.data(), d, sc.a.data() + r * d);
   }
   const auto* a = reinterpret_cast<const at::BFloat16*>(sc.a.data());
   const auto* pb = reinterpret_cast<const at::BFloat16*>(sc.p.data());
@@ -204,11 +226,12 @@ void run(const at::Tensor& q, at::Tensor& out, int64_t ctx, int64_t kvh, int64_t
   const int64_t g_heads = h / kvh;
   const int64_t ctxp = (ctx + kBk - 1) / kBk * kBk;
   std::vector<uint16_t> kt(b * kvh * ctxp * d), vv(b * kvh * ctxp * d);
-  at::parallel_for(0, b * kvh, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, 2 * b * kvh, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<uint16_t> tmp;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t s = t / kvh, g = t % kvh;
-      pack_kt([&](int64_t p) { return krow(s, g, p); }, ctx, ctxp, d, kt.data() + t * ctxp * d);
-      pack_v([&](int64_t p) { return vrow(s, g, p); }, ctx, ctxp, d, vv.data() + t * ctxp * d);
+      const int64_t sg = t / 2, s = sg / kvh, g = sg % kvh;
+      if (t % 2 == 0) pack_kt([&](int64_t p) { return krow(s, g, p); }, ctx, ctxp, d, kt.data() + sg * ctxp * d, tmp);
+      else pack_v([&](int64_t p) { return vrow(s, g, p); }, ctx, ctxp, d, vv.data() + sg * ctxp * d, tmp);
     }
   });
   const int64_t bq = query_block(g_heads);
