@@ -146,7 +146,11 @@ def _cflags(variant: str) -> list[str]:
 
 
 def _cache_dir(sources: list[Path], cflags: list[str] | None = None) -> Path:
+    """One build directory per (sources, flags, torch, where the sources live): torch's build.ninja
+    names the sources by absolute path, so two checkouts sharing one directory would rebuild it
+    in turn (and a build killed midway would hold up the other)."""
     h = hashlib.sha256()
+    h.update(str(sources[0].parent.resolve()).encode() if sources else b"")
     for p in sources:
         h.update(p.name.encode())
         h.update(p.read_bytes())
