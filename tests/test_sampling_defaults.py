@@ -285,3 +285,16 @@ def test_props_on_the_tiny_engine(tiny_dir):
         assert p["precision"]["compute"] == "float32" and p["kernels"]["variant"] in ("avx512", "avx2", "none")
         assert p["model_path"] == str(tiny_dir) and p["chat_template"]
         assert httpx.get(srv.url("/server_info")).json()["sampling_defaults"]["source"]["top_k"] == "generation_config.json"
+
+
+def test_serve_takes_the_sampling_default_flags_and_generate_does_not():
+    """generate's own sampling flags give every value, so the defaults' flags would change nothing there."""
+    from inferlab.cli import build_parser
+
+    def parse(argv: list[str]):
+        return build_parser(argv)[0].parse_args(argv)
+
+    args = parse(["serve", "--override-generation-config", '{"top_k": 3}'])
+    assert EngineArgs.from_cli_args(args).create_engine_config().override_generation_config == {"top_k": 3}
+    with pytest.raises(SystemExit):
+        parse(["generate", "--override-generation-config", "{}"])
