@@ -121,6 +121,7 @@ class FakeEngine:
         if load_gate is not None:
             load_gate.wait()
         self.tokenizer = FakeTokenizer()
+        self.vocab_size = self.tokenizer.vocab_size  # the server checks logit_bias / allowed_token_ids ids against it
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)

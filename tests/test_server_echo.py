@@ -130,14 +130,23 @@ def test_prompt_logprobs_in_vllm_shape(srv):
     [
         ("/v1/completions", "best_of", 3),
         ("/v1/completions", "suffix", "tail"),
-        ("/v1/completions", "logit_bias", {"50": 100}),
+        ("/v1/completions", "bad_words", ["abc"]),
+        ("/v1/completions", "priority", 5),
+        ("/v1/completions", "typical_p", 0.5),
+        ("/v1/completions", "mirostat", 2),
         ("/v1/completions", "guided_json", {"type": "object"}),
         ("/v1/completions", "use_beam_search", True),
         ("/v1/chat/completions", "response_format", {"type": "json_object"}),
         ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
         ("/v1/chat/completions", "echo", True),
         ("/v1/chat/completions", "prompt_logprobs", 1),
-        ("/v1/chat/completions", "logit_bias", {"50": -100}),
+        ("/v1/chat/completions", "tool_choice", "required"),
+        ("/v1/chat/completions", "chat_template_kwargs", {"enable_thinking": True}),
+        ("/v1/chat/completions", "logit_bias", {"50": -101}),  # out of range
+        ("/v1/chat/completions", "logit_bias", {"100000": 1}),  # outside the vocabulary
+        ("/v1/chat/completions", "logit_bias", {"x": 1}),
+        ("/v1/chat/completions", "allowed_token_ids", [100000]),
+        ("/v1/chat/completions", "allowed_token_ids", []),
     ],
 )
 def test_fields_we_cannot_honour_are_a_400_naming_them(srv, path, field, value):
@@ -152,7 +161,8 @@ def test_fields_we_cannot_honour_are_a_400_naming_them(srv, path, field, value):
 @pytest.mark.parametrize(
     "extra",
     [{"best_of": 1}, {"best_of": 2, "n": 2}, {"suffix": ""}, {"suffix": None}, {"logit_bias": {}},
-     {"response_format": {"type": "text"}}, {"tools": []}, {"use_beam_search": False}],  # fmt: skip
+     {"response_format": {"type": "text"}}, {"tools": []}, {"use_beam_search": False}, {"priority": 0},
+     {"tool_choice": "none"}, {"typical_p": 1.0}, {"mirostat": 0}, {"bad_words": []}],  # fmt: skip
 )
 def test_neutral_values_of_those_fields_are_accepted(srv, extra):
     ok(post(srv, {"prompt": "abc", "max_tokens": 2, **extra}))

@@ -112,7 +112,7 @@ class SchedulerConfig:
 
     max_num_seqs: int = 64  # running requests at most
     max_num_batched_tokens: int = 2048  # tokens per step (prefill chunks + decodes)
-    max_model_len: int = 2048  # prompt + output tokens of one request
+    max_model_len: int | None = None  # prompt + output tokens of one request; None: the model's (LLMEngine resolves it)
     enable_chunked_prefill: bool = True
     # A single prefill chunk takes at most this many tokens (0 = no extra cap), so that
     # a long prompt leaves room in the step for other requests' decodes.
@@ -120,9 +120,10 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+        if (not self.enable_chunked_prefill and self.max_model_len is not None
+                and self.max_num_batched_tokens < self.max_model_len):
             raise ValueError(
                 "without chunked prefill, max_num_batched_tokens must be >= max_model_len "
                 f"({self.max_num_batched_tokens} < {self.max_model_len})"
@@ -140,3 +141,11 @@ class EngineConfig:
     # Seconds between returns of the C heap's free pages to the OS while busy (and at every idle
     # point); None = never. Bounds RSS growth from fragmentation (see engine/heap.py).
     heap_trim_interval_s: float | None = 5.0
+    # Sampling defaults for the fields a request leaves out (engine/generation_config.py):
+    # "model" | "openai", and a parsed --override-generation-config over them.
+    sampling_defaults: str = "model"
+    override_generation_config: dict[str, float | int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.sampling_defaults not in ("model", "openai"):
+            raise ValueError(f"sampling_defaults must be model or openai, not {self.sampling_defaults!r}")

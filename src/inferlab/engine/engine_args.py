@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from inferlab.config import KV_CACHE_DTYPES, WEIGHT_DTYPES, CacheConfig, EngineConfig, LoadConfig, SchedulerConfig
+from inferlab.engine.generation_config import SAMPLING_DEFAULT_MODES, parse_override
 
 __all__ = ["PRECISION", "EngineArgs", "parse_size"]
 
@@ -56,7 +57,7 @@ class EngineArgs:
     load_format: str = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
+    max_model_len: int | None = None  # None: the model's context length, capped by what the KV pool holds
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     block_size: int = 16
@@ -68,6 +69,8 @@ class EngineArgs:
     heap_trim_interval_s: float | None = 5.0
     hf_config_path: str | None = None
     device: str = "cpu"
+    sampling_defaults: str = "model"  # "model": the model's file, else llama.cpp's (GGUF) / OpenAI's; "openai"
+    override_generation_config: dict[str, Any] | str | None = None  # JSON or dict over the model's defaults
 
     def create_engine_config(self) -> EngineConfig:
         """The frozen EngineConfig (its dataclasses validate every value: one ValueError naming it)."""
@@ -83,6 +86,8 @@ class EngineArgs:
                                       long_prefill_token_threshold=self.long_prefill_token_threshold),
             num_threads=self.num_threads,
             heap_trim_interval_s=self.heap_trim_interval_s,
+            sampling_defaults=self.sampling_defaults,
+            override_generation_config=parse_override(self.override_generation_config),
         )
 
     @staticmethod
@@ -114,8 +119,9 @@ _FLAGS: list[tuple[str, tuple[str, ...], dict[str, Any]]] = [
                                                    help="how K and V are stored (auto: float16 where the weights are 16-bit "
                                                         "by auto, else as --dtype)")),
     ("load_format", ("--load-format",), dict(default=_D.load_format, choices=LOAD_FORMATS)),
-    ("max_model_len", ("--max-model-len",), dict(type=int, default=_D.max_model_len,
-                                                 help=f"context window in tokens (default {_D.max_model_len})")),
+    ("max_model_len", ("--max-model-len",), dict(type=int, default=None,
+                                                 help="context window in tokens (default: the model's context length, "
+                                                      "capped by what the KV cache holds)")),
     ("max_num_seqs", ("--max-num-seqs",), dict(type=int, default=_D.max_num_seqs,
                                                help=f"running requests at most (default {_D.max_num_seqs})")),
     ("max_num_batched_tokens", ("--max-num-batched-tokens",),
@@ -139,4 +145,13 @@ _FLAGS: list[tuple[str, tuple[str, ...], dict[str, Any]]] = [
                "(default 5; a negative value turns it off)")),
     ("hf_config_path", ("--hf-config-path",), dict(default=None, help="a config.json for --load-format dummy")),
     ("device", ("--device",), dict(default=_D.device, help="torch device (default cpu)")),
+    ("sampling_defaults", ("--sampling-defaults",),
+     dict(default=_D.sampling_defaults, choices=SAMPLING_DEFAULT_MODES,
+          help="what a request that leaves a sampling field out gets: model (the model's generation_config.json "
+               "or GGUF general.sampling.*, else llama.cpp's 0.8/top-k 40/top-p 0.95/min-p 0.05 for a GGUF and "
+               "OpenAI's temperature 1/top-p 1 otherwise; default) or openai")),
+    ("override_generation_config", ("--override-generation-config",),
+     dict(default=None, metavar="JSON",
+          help='sampling defaults over the model\'s, e.g. \'{"temperature": 0.5, "top_k": 20}\' '
+               "(temperature, top_p, top_k, min_p, repetition_penalty)")),
 ]

@@ -17,6 +17,7 @@ import torch
 from inferlab.config import EngineConfig
 from inferlab.engine.detokenizer import IncrementalDetokenizer
 from inferlab.engine.errors import ContextLengthError
+from inferlab.engine.generation_config import resolve_sampling_defaults
 from inferlab.engine.heap import HeapTrimmer
 from inferlab.engine.model_runner import ModelRunner
 from inferlab.engine.output_processor import OutputProcessor
@@ -44,17 +45,19 @@ class LLMEngine:
         self.model_config = loaded.config
         self.model_name = (resolved.name if resolved is not None else "") or loaded.config.name or "model"
         self.tokenizer = _load_tokenizer(resolved)
+        self.model_path = resolved.path if resolved is not None else loaded.source_path
+        self.sampling_defaults = resolve_sampling_defaults(
+            config.sampling_defaults, loaded.sampling_defaults, _SOURCE_NAMES.get(loaded.format, loaded.format),
+            is_gguf=loaded.format == "gguf", override=config.override_generation_config,
+        )
+        logger.info("sampling defaults: %s", self.sampling_defaults.describe())
 
         self.runner = ModelRunner(loaded.config, loaded.weights, load, config.cache)
         del loaded
         self.num_blocks = self.runner.num_blocks
-        # The context window: what the user asked, what the model was trained for, and what the
-        # KV pool can hold for one request (else a lone long request would preempt itself forever).
         pool_tokens = self.num_blocks * config.cache.block_size
-        max_len = min(config.scheduler.max_model_len, self.model_config.max_position_embeddings, pool_tokens)
-        if max_len < config.scheduler.max_model_len:
-            logger.info("max_model_len %d -> %d (model limit %d, KV pool %d tokens)", config.scheduler.max_model_len,
-                        max_len, self.model_config.max_position_embeddings, pool_tokens)
+        max_len = resolve_max_model_len(config.scheduler.max_model_len, self.model_config.max_position_embeddings,
+                                        pool_tokens)
         self.scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_len)
         if not self.scheduler_config.enable_chunked_prefill and self.scheduler_config.max_num_batched_tokens < max_len:
             self.scheduler_config = dataclasses.replace(self.scheduler_config, max_num_batched_tokens=max_len)
@@ -93,7 +96,17 @@ class LLMEngine:
 
     @property
     def max_model_len(self) -> int:
+        assert self.scheduler_config.max_model_len is not None  # resolved in __init__
         return self.scheduler_config.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def default_sampling_params(self, **overrides: Any) -> SamplingParams:
+        """SamplingParams at this engine's sampling defaults (vLLM's get_default_sampling_params):
+        what the offline LLM uses when no SamplingParams are given."""
+        return SamplingParams(**{**self.sampling_defaults.values(), **overrides})  # type: ignore[arg-type]
 
     def info(self) -> dict[str, Any]:
         """What this engine decided, for `GET /server_info` and the benchmarks that read it
@@ -115,6 +128,8 @@ class LLMEngine:
                          "prefix_caching": self.cache_config.enable_prefix_caching},  # fmt: skip
             "kernels": kernels_build.kernel_info().as_dict(),
             "device": str(self.runner.device),
+            "sampling_defaults": self.sampling_defaults.as_dict(),
+            "model_path": str(self.model_path) if self.model_path is not None else None,
         }
 
     @property
@@ -175,6 +190,7 @@ class LLMEngine:
         if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.encode_prompt(prompt)
+        params.check_vocab(self.vocab_size)
         self.check_length(len(ids), params)
         n = params.n
         child_ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
@@ -246,6 +262,25 @@ class LLMEngine:
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
+
+
+# LoadedModel.format -> where its own sampling defaults were read.
+_SOURCE_NAMES = {"gguf": "gguf", "hf": "generation_config.json", "dummy": "openai"}
+
+
+def resolve_max_model_len(asked: int | None, model_len: int, pool_tokens: int) -> int:
+    """The context window, logged: what the user asked (else the model's context length), no more
+    than the model was trained for and than the KV pool holds for one request (else a lone long
+    request would preempt itself forever). vLLM and llama-server default to the model's too."""
+    want = model_len if asked is None else asked
+    max_len = min(want, model_len, pool_tokens)
+    why = "the model's context length" if asked is None else "asked"
+    if max_len < want:
+        limit = "the model's context length" if max_len == model_len else f"what the KV pool holds ({pool_tokens} tokens)"
+        logger.info("max_model_len %d (%s %d, capped by %s)", max_len, why, want, limit)
+    else:
+        logger.info("max_model_len %d (%s; the KV pool holds %d tokens)", max_len, why, pool_tokens)
+    return max_len
 
 
 def _load_tokenizer(resolved) -> Tokenizer | None:

@@ -38,6 +38,10 @@ class SamplingParams:
     # RequestOutput.prompt_logprob_rows (perplexity / KL divergence; offline only).
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Added to the logits before penalties, temperature and truncation (OpenAI's logit_bias:
+    # token id -> bias in [-100, 100]; -100 bans a token, +100 all but forces it).
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's: sample only among these tokens
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +50,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = {_token_id("logit_bias", t): _bias(b) for t, b in self.logit_bias.items()} or None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = [_token_id("allowed_token_ids", t) for t in self.allowed_token_ids]
         self._check()
 
     def _check(self) -> None:
@@ -75,6 +83,24 @@ class SamplingParams:
             raise ValueError(f"prompt_logprobs must be in [0, 20] or -1 (whole rows), got {self.prompt_logprobs!r}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative token ids")
+        for t, b in (self.logit_bias or {}).items():
+            if not -100.0 <= b <= 100.0:  # NaN fails too
+                raise ValueError(f"logit_bias must map token ids to biases in [-100, 100], got {b!r} for token {t}")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty (no token could be sampled)")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids the model does not have are a ValueError naming the field (the engine and the
+        server check before a request runs: the sampler indexes the logits with them)."""
+        for name, ids in (("logit_bias", self.logit_bias or {}), ("allowed_token_ids", self.allowed_token_ids or [])):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} has token id {bad[0]}, outside the vocabulary (ids 0 to {vocab_size - 1})")
+
+    @property
+    def has_token_constraints(self) -> bool:
+        """logit_bias or allowed_token_ids: the sampler's bias pass runs only for such rows."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def greedy(self) -> bool:
@@ -83,6 +109,25 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def _token_id(name: str, value: Any) -> int:
+    """A token id as JSON gives it (OpenAI's logit_bias keys are strings) or as Python does."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must hold token ids (integers >= 0), got {value!r}")
+    try:
+        tid = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must hold token ids (integers >= 0), got {value!r}") from None
+    if tid < 0 or (isinstance(value, float) and value != tid) or (isinstance(value, str) and not value.strip().isdigit()):
+        raise ValueError(f"{name} must hold token ids (integers >= 0), got {value!r}")
+    return tid
+
+
+def _bias(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"logit_bias must map token ids to numbers in [-100, 100], got {value!r}")
+    return float(value)
 
 
 class RequestStatus(enum.Enum):

@@ -1,4 +1,4 @@
-"""Turns one step's logits into tokens: penalties, min_tokens, greedy or temperature/top-k/top-p/
+"""Turns one step's logits into tokens: logit bias and allowed tokens, penalties, min_tokens, greedy or temperature/top-k/top-p/
 min-p sampling, per-request seeds, logprobs.
 
 Sampling is by inverse CDF: one uniform per row picks the token whose share of the running sum
@@ -38,6 +38,8 @@ class Sampler:
         want_logprobs = any(r.sampling_params.logprobs is not None for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
+        if any(r.sampling_params.has_token_constraints for r in rows):
+            logits = apply_token_constraints(logits.clone(), rows)
         if any(r.sampling_params.has_penalties for r in rows):
             logits = apply_penalties(logits.clone(), rows)
         logits = mask_early_stop_tokens(logits, rows)
@@ -168,6 +170,38 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     drop |= before >= p
     sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_token_constraints(logits: torch.Tensor, rows: list[ScheduledRequest]) -> torch.Tensor:
+    """allowed_token_ids (every other token -inf) and logit_bias (added), in place, before
+    penalties and temperature as vLLM orders them: one scatter for the batch each, the Python
+    loop over the requests' listed tokens only, never over the vocabulary."""
+    vocab = logits.shape[1]
+    bias_rows: list[int] = []
+    bias_cols: list[int] = []
+    bias_vals: list[float] = []
+    allow_rows: list[int] = []  # rows restricted, in order
+    allow_local: list[int] = []  # index into allow_rows, per allowed token
+    allow_cols: list[int] = []
+    for i, r in enumerate(rows):
+        sp = r.sampling_params
+        if sp.allowed_token_ids is not None:
+            allow_local.extend([len(allow_rows)] * len(sp.allowed_token_ids))
+            allow_rows.append(i)
+            allow_cols.extend(sp.allowed_token_ids)
+        if sp.logit_bias:
+            bias_rows.extend([i] * len(sp.logit_bias))
+            bias_cols.extend(sp.logit_bias)
+            bias_vals.extend(sp.logit_bias.values())
+    if allow_rows:
+        mask = torch.full((len(allow_rows), vocab), _NEG_INF, dtype=logits.dtype)
+        mask[torch.tensor(allow_local), torch.tensor(allow_cols)] = 0.0
+        idx = torch.tensor(allow_rows)
+        logits[idx] = logits[idx] + mask
+    if bias_rows:
+        logits.index_put_((torch.tensor(bias_rows), torch.tensor(bias_cols)),
+                          torch.tensor(bias_vals, dtype=logits.dtype), accumulate=True)
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[ScheduledRequest]) -> torch.Tensor:

@@ -54,6 +54,8 @@ class Scheduler:
         num_blocks: int,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if scheduler_config.max_model_len is None:
+            raise ValueError("the scheduler needs a resolved max_model_len (LLMEngine sets it from the model)")
         self.config = scheduler_config
         self.cache_config = cache_config
         self.clock = clock
@@ -130,6 +132,7 @@ class Scheduler:
 
     def _max_len(self, request: Request) -> int:
         limit = self.config.max_model_len
+        assert limit is not None, "max_model_len unresolved (LLMEngine sets it from the model)"
         if request.max_model_len is not None:
             limit = min(limit, request.max_model_len)
         return limit

@@ -10,7 +10,9 @@ from inferlab.engine.engine_args import EngineArgs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    EngineArgs.add_cli_args(p, skip=("seed",))  # --seed here is the sampling seed
+    # --seed here is the sampling seed; the sampling-default flags are serve's: generate's own
+    # sampling flags always give every value (greedy by default), so they would change nothing.
+    EngineArgs.add_cli_args(p, skip=("seed", "sampling_defaults", "override_generation_config"))
     src = p.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", default=None, help="the user's message (wrapped in the chat template unless --raw)")
     src.add_argument("--messages", default=None, help='chat messages as JSON: [{"role": "user", "content": "..."}], or @file.json')

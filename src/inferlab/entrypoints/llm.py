@@ -39,6 +39,10 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams at the model's sampling defaults (what `generate` uses without any)."""
+        return self.engine.default_sampling_params()
+
     def generate(
         self,
         prompts: PromptLike | Sequence[PromptLike],
@@ -53,6 +57,8 @@ class LLM:
         Bad input raises ValueError before anything runs.
         """
         items = _as_prompt_list(prompts)
+        if sampling_params is None:  # the model's defaults, as vLLM's LLM takes them
+            sampling_params = self.engine.default_sampling_params()
         params = _as_params_list(sampling_params, len(items))
         ids = []
         for item, sp in zip(items, params):

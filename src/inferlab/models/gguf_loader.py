@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
+from inferlab.engine.generation_config import read_gguf_sampling
 from inferlab.models.loaded import LoadedModel, check_weights
 from inferlab.models.model_config import gguf_field, model_config_from_gguf
 
@@ -163,4 +164,5 @@ def load_gguf(path: str | Path, dtype: torch.dtype, name: str = "") -> LoadedMod
                 value = unpermute_qk(value, heads[module])
         weights[name_hf] = value.to(dtype)
     check_weights(config, weights, path)
-    return LoadedModel(config=config, weights=weights, source_path=path, format="gguf")
+    return LoadedModel(config=config, weights=weights, source_path=path, format="gguf",
+                       sampling_defaults=read_gguf_sampling(reader))

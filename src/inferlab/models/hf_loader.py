@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from inferlab.engine.generation_config import read_hf_sampling
 from inferlab.models.loaded import LoadedModel, check_weights, expected_weight_shapes
 from inferlab.models.model_config import model_config_from_hf_dir
 
@@ -57,4 +58,5 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype, name: str = "") -> LoadedM
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{file}: cannot read safetensors file ({e})") from None
     check_weights(config, weights, path)
-    return LoadedModel(config=config, weights=weights, source_path=path, format="hf")
+    return LoadedModel(config=config, weights=weights, source_path=path, format="hf",
+                       sampling_defaults=read_hf_sampling(path))

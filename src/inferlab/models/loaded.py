@@ -9,7 +9,7 @@ message instead of deep inside the first forward pass.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,6 +25,9 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]  # HF names -> tensors (lm_head.weight absent when tied)
     source_path: Path | None  # the GGUF file, HF directory or config.json it came from; None for dummy
     format: str  # "gguf" | "hf" | "dummy"
+    # The file's own sampling defaults (GGUF general.sampling.*, generation_config.json), read
+    # while the file is open: engine/generation_config.py resolves them against the others.
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
     @property
     def num_parameters(self) -> int:

@@ -160,7 +160,7 @@ def simulate(
     if num_blocks < 1:
         raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
     need = workload.input_len + workload.output_len
-    if need > scheduler_config.max_model_len:
+    if scheduler_config.max_model_len is not None and need > scheduler_config.max_model_len:
         raise ValueError(f"input + output = {need} tokens exceeds max_model_len {scheduler_config.max_model_len}")
     if -(-need // cache_config.block_size) > num_blocks:
         raise ValueError(f"one request of {need} tokens needs {-(-need // cache_config.block_size)} KV blocks; "

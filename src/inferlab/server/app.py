@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferlab.engine.async_llm import AsyncLLM, EngineLike
+from inferlab.server import props as server_props
 from inferlab.server.auth import ApiKeyGuard
 from inferlab.server.limits import HttpLimits, LimitsMiddleware
 from inferlab.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics, TenantMetrics, outcome_of_status
@@ -168,6 +169,18 @@ def build_app(
             raise ApiError(503, "Loading model", "unavailable_error", headers={"Retry-After": "5"})
         info = engine.info() if hasattr(engine, "info") else {"model": engine.model_name}
         return JSONResponse({**info, "served_model_names": list(serving.model_names())})
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse(server_props.version())
+
+    @app.get("/props", dependencies=guarded)
+    async def props() -> JSONResponse:
+        """llama-server's /props: context, slots, sampling defaults; and our precision and kernels."""
+        engine = llm.engine
+        if engine is None or not llm.ready:
+            raise ApiError(503, "Loading model", "unavailable_error", headers={"Retry-After": "5"})
+        return JSONResponse(server_props.props(engine, list(serving.model_names())))
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> JSONResponse:

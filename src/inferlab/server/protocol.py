@@ -1,12 +1,14 @@
 """The OpenAI-compatible request bodies (pydantic) and their translation to `SamplingParams`.
 
 Unknown fields are ignored, not rejected: benchmark clients send extras (vLLM's and llama.cpp's
-own fields, `user`, ...). But a field we know and cannot honour (`best_of` > n, `suffix`,
-`logit_bias`, a JSON `response_format`, tools, guided decoding, ...) is a 400 naming it when
-it carries anything but its neutral value: ignoring it would answer a different question
-without saying so (lm-eval scored chance while `echo` was ignored). Absent sampling fields get
-neutral values (temperature 1, top_p 1, top_k off, min_p 0, penalties off). Range checks live
-in `SamplingParams`; its `ValueError` names the field, which becomes the error's `param`.
+own fields, `user`, ...). But a field we know and cannot honour (`best_of` > n, `suffix`, a JSON
+`response_format`, tools, guided decoding, `bad_words`, llama.cpp's other samplers, ...) is a 400
+naming it when it carries anything but its neutral value: ignoring it would answer a different
+question without saying so (lm-eval scored chance while `echo` was ignored). Absent sampling
+fields get the engine's sampling defaults (engine/generation_config.py: the model's own, else
+llama.cpp's for a GGUF, else OpenAI's), applied here, in `to_sampling_params`, for every route.
+Range checks live in `SamplingParams`; its `ValueError` names the field, which becomes the
+error's `param`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
+from inferlab.engine.generation_config import SamplingDefaults
 from inferlab.engine.request import SamplingParams
 
 
@@ -65,16 +68,39 @@ def _text_format(value: Any, body: dict[str, Any]) -> bool:
     return value is None or (isinstance(value, dict) and value.get("type", "text") == "text")
 
 
+def _is(*neutral: Any) -> Callable[[Any, dict[str, Any]], bool]:
+    """Neutral when absent or one of `neutral` (llama.cpp's samplers at their 'off' values)."""
+    return lambda value, body: value is None or any(value == n and type(value) is not bool for n in neutral)
+
+
+def _tool_choice(value: Any, body: dict[str, Any]) -> bool:
+    return value is None or (value in ("none", "auto") and not body.get("tools"))
+
+
 def _best_of_n(value: Any, body: dict[str, Any]) -> bool:
     return value is None or value == 1 or value == body.get("n", 1)  # best of n from n: every one
 
 
 # Fields both routes know but do not implement → "is this value neutral?" (then it is accepted).
 _UNSUPPORTED: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
-    "logit_bias": _empty,
     "response_format": _text_format,
     "tools": _empty,
+    "tool_choice": _tool_choice,
     "functions": _empty,
+    "function_call": _unset,
+    "bad_words": _empty,  # vLLM's
+    "priority": _is(0),  # vLLM's
+    "chat_template": _unset,
+    "chat_template_kwargs": _empty,
+    "reasoning_effort": _unset,
+    "prediction": _unset,
+    "typical_p": _is(1),  # llama.cpp's samplers, off at these values
+    "mirostat": _is(0),
+    "tfs_z": _is(1),
+    "xtc_probability": _is(0),
+    "dry_multiplier": _is(0),
+    "dynatemp_range": _is(0),
+    "top_n_sigma": _is(-1),
     "guided_json": _unset,
     "guided_regex": _unset,
     "guided_choice": _unset,
@@ -120,6 +146,8 @@ class _GenerationRequest(_Lenient):
     cache_salt: str | None = None
     cache_prompt: bool = True  # llama.cpp's: False = reuse no cached prefix for this request
     timeout: float | None = Field(default=None, gt=0)  # per-request deadline in seconds (the server caps it)
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a string) -> bias in [-100, 100]
+    allowed_token_ids: list[StrictInt] | None = None  # vLLM's
 
     # This route's own known-but-unimplemented fields, on top of _UNSUPPORTED.
     _unsupported: ClassVar[dict[str, Callable[[Any, dict[str, Any]], bool]]] = {}
@@ -151,8 +179,10 @@ class _GenerationRequest(_Lenient):
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage and self.stream_options.continuous_usage_stats)
 
-    def to_sampling_params(self) -> SamplingParams:
-        """Neutral defaults for absent fields; a bad value raises ApiError(400) naming the field."""
+    def to_sampling_params(self, defaults: SamplingDefaults | None = None) -> SamplingParams:
+        """The request's values, else `defaults` (the engine's; OpenAI's neutral ones without);
+        a bad value raises ApiError(400) naming the field."""
+        d = defaults or SamplingDefaults()
 
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
@@ -160,14 +190,14 @@ class _GenerationRequest(_Lenient):
         try:
             return SamplingParams(
                 n=self.n,
-                temperature=pick(self.temperature, 1.0),
-                top_p=pick(self.top_p, 1.0),
-                top_k=pick(self.top_k, 0),
-                min_p=pick(self.min_p, 0.0),
+                temperature=pick(self.temperature, d.temperature),
+                top_p=pick(self.top_p, d.top_p),
+                top_k=pick(self.top_k, d.top_k),
+                min_p=pick(self.min_p, d.min_p),
                 seed=self.seed,
                 presence_penalty=pick(self.presence_penalty, 0.0),
                 frequency_penalty=pick(self.frequency_penalty, 0.0),
-                repetition_penalty=pick(self.repetition_penalty, 1.0),
+                repetition_penalty=pick(self.repetition_penalty, d.repetition_penalty),
                 max_tokens=self._max_tokens(),
                 min_tokens=self.min_tokens,
                 stop=pick(self.stop, []),
@@ -177,6 +207,8 @@ class _GenerationRequest(_Lenient):
                 logprobs=self._logprobs(),
                 prompt_logprobs=self._prompt_logprobs(),
                 skip_special_tokens=self.skip_special_tokens,
+                logit_bias=dict(self.logit_bias) if self.logit_bias else None,  # type: ignore[arg-type]
+                allowed_token_ids=self.allowed_token_ids,
             )
         except ValueError as e:
             raise bad_request(str(e), param=str(e).split(" ", 1)[0]) from e

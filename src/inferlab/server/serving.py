@@ -27,6 +27,7 @@ from pydantic import BaseModel, ValidationError
 
 from inferlab.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestStream
 from inferlab.engine.errors import EngineDeadError
+from inferlab.engine.generation_config import SamplingDefaults
 from inferlab.engine.request import RequestOutput, SamplingParams
 from inferlab.server.admission import effective_timeout, to_api_error
 from inferlab.server.metrics import TenantMetrics
@@ -195,6 +196,19 @@ class OpenAIServing:
             raise bad_request(f"cannot decode these tokens: {e}", param="tokens") from None
         return {"prompt": text}
 
+    def sampling_params(self, req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+        """The request's sampling parameters over the engine's defaults (the one place both routes
+        get them), its token ids checked against the vocabulary: 400 naming the field."""
+        engine = self.engine
+        params = req.to_sampling_params(sampling_defaults(engine))
+        vocab = getattr(engine, "vocab_size", None)
+        if vocab is not None:
+            try:
+                params.check_vocab(vocab)
+            except ValueError as e:
+                raise bad_request(str(e), param=str(e).split(" ", 1)[0]) from None
+        return params
+
     @staticmethod
     def _decode_prompt(tokenizer: Any, ids: list[int]) -> str:
         try:
@@ -215,7 +229,7 @@ class OpenAIServing:
         engine = self.engine
         model = self.check_model(req.model)
         prompt_ids = self._chat_prompt(engine.tokenizer, req.messages, req.add_generation_prompt)
-        params = req.to_sampling_params()
+        params = self.sampling_params(req)
         ctx = ResponseContext(
             kind="chat",
             response_id=f"chatcmpl-{uuid.uuid4().hex}",
@@ -242,7 +256,7 @@ class OpenAIServing:
             else:
                 prompts.append(p)
                 texts.append(None)
-        params = req.to_sampling_params()
+        params = self.sampling_params(req)
         echo_prompts = None
         if req.echo:  # the prompt as sent; token ids as their text (special tokens spelled out)
             echo_prompts = [
@@ -466,6 +480,11 @@ class OpenAIServing:
             total_ms,
             prompt,
         )
+
+
+def sampling_defaults(engine: Any) -> SamplingDefaults:
+    """The engine's resolved defaults (an engine without them: OpenAI's neutral values)."""
+    return getattr(engine, "sampling_defaults", None) or SamplingDefaults()
 
 
 class _Stream(StreamingResponse):
