@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from inferlab.cli import main
 from inferlab.config import KV_CACHE_DTYPES, WEIGHT_DTYPES
@@ -17,7 +18,16 @@ from inferlab.quality.report_render import COLUMNS
 
 N_CTX = 32
 SMALL = ["-c", str(N_CTX), "-b", str(2 * N_CTX), "--chunks", "3", "--streams", "4", "--prompt-tokens", "8",
-         "--output-tokens", "4", "--speed-runs", "1"]
+         "--output-tokens", "4", "--speed-runs", "1", "-t", "1"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def keep_threads():
+    """-t 1 (robust on a loaded machine: two threads' barriers stall when the other is descheduled)
+    is process-wide: give the other tests their thread count back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +69,16 @@ def test_rows_resolve_through_the_loader_and_duplicates_are_skipped():
     weights, kv = available_modes()
     assert measured == {"base float32"} | {f"weights {w}" for w in weights} | {f"K/V {k}" for k in kv}
     assert all(s.reason for s in skipped)
+
+
+def test_a_mode_the_cpu_lacks_is_skipped_with_the_loaders_reason(monkeypatch):
+    from inferlab.kernels import build
+    from inferlab.models import loader
+
+    monkeypatch.setattr(loader.kernels_build, "kernel_info", lambda: build.KernelInfo("avx2", ("avx2", "fma", "f16c")))
+    rows, skipped = plan_modes(["int8", "w8a8"], [])
+    assert [r.label for r in rows] == ["base float32", "weights int8"]
+    assert [s.label for s in skipped] == ["weights w8a8"] and "VNNI" in skipped[0].reason
 
 
 def test_table_base_row_and_lossy_row(report):

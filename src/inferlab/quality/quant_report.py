@@ -20,14 +20,18 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
+from inferlab.quality.kld import BaseRows, KldAccumulator, KldSummary, base_rows, token_stats
+from inferlab.quality.perplexity import Chunking, make_chunks
 from inferlab.quality.report_modes import Mode, Skipped
 from inferlab.quality.report_speed import SpeedSettings, measure_speed
+from inferlab.quality.scoring import score_chunks
 
 
 @dataclass(frozen=True)
@@ -139,32 +143,58 @@ def _row(mode: Mode, llm, summary, speed, seconds: dict[str, float]) -> dict[str
     }
 
 
+def _chunks(llm, text: bytes, s: ReportSettings) -> tuple[Chunking, list[list[int]], dict[str, Any]]:
+    """The text's chunks (with the base engine's tokenizer: every mode shares it) and their facts;
+    TextTooShortError naming the token counts."""
+    tok = llm.get_tokenizer()
+    if tok is None:
+        raise ValueError("this model has no tokenizer, so it cannot read a text")
+    tokens = tok.encode(text.decode("utf-8"), add_special_tokens=True)
+    chunking, chunks = make_chunks(tokens, s.n_ctx, s.chunks, tok.bos_token_id if tok.add_bos_token else None)
+    facts = {"path": str(s.text_path), "sha256": hashlib.sha256(text).hexdigest(), "tokens": len(tokens),
+             "n_ctx": s.n_ctx, "chunks": chunking.n_chunks, "scored_tokens": chunking.n_chunks * chunking.scored_per_chunk,
+             "kld_top_k": s.kld_top_k, "chunks_per_step": s.chunks_per_step}
+    return chunking, chunks, facts
+
+
+def _score(llm, chunking: Chunking, chunks: list[list[int]], s: ReportSettings, base: BaseRows | None,
+           on_chunk: Callable[[], object]) -> tuple[KldSummary, BaseRows]:
+    """Every chunk's whole rows against the base; without a base (the base's own run) against
+    the summary of its own rows, which reads KLD ~0 and 100% same top token: a check of the method."""
+    kacc, parts = KldAccumulator(), []
+    n = chunking.scored_per_chunk
+    for score in score_chunks(llm, chunks, chunking, s.chunks_per_step, whole_rows=True):
+        assert score.rows is not None  # whole_rows=True
+        if base is None:
+            ref = base_rows(score.rows, score.targets, s.kld_top_k)
+            parts.append(ref)
+        else:
+            ref = base.rows(score.index * n, (score.index + 1) * n)
+        kacc.add(token_stats(score.rows, score.targets, ref))
+        on_chunk()
+    return kacc.summary(), base if base is not None else BaseRows.concat(parts)
+
+
 def measure(settings: ReportSettings, modes: list[Mode], skipped: list[Skipped],
-            log=sys.stderr) -> dict[str, Any]:
+            log: TextIO = sys.stderr) -> dict[str, Any]:
     """Measure every mode (modes[0] must be the float32 base); the report document."""
     from tqdm import tqdm
 
-    from inferlab.quality.kld import BaseRows, KldAccumulator, base_rows, token_stats
-    from inferlab.quality.perplexity import make_chunks
-    from inferlab.quality.scoring import score_chunks
-
     if not modes or modes[0].kind != "base":
         raise ValueError("the float32 base must be the first mode")
-    text_bytes = Path(settings.text_path).read_bytes()
-    text = text_bytes.decode("utf-8")
+    s = settings
+    text = Path(s.text_path).read_bytes()
     machine = machine_info()
     skipped = list(skipped)
     rows: list[dict[str, Any]] = []
     base: BaseRows | None = None
+    chunking: Chunking | None = None
     chunks: list[list[int]] = []
-    chunking = None
-    doc: dict[str, Any] = {}
+    facts: dict[str, Any] = {}
     bar = None
-    s = settings
+    model_name = ""
     for mode in modes:
         t0 = time.perf_counter()
-        if bar is not None:
-            bar.set_description(mode.label)
         try:
             llm = _build(mode, s)
         except ValueError as e:  # the loader's refusal of a mode this machine cannot run
@@ -175,50 +205,28 @@ def measure(settings: ReportSettings, modes: list[Mode], skipped: list[Skipped],
                 bar.update(chunking.n_chunks + 2 * s.speed.runs)
             continue
         t_load = time.perf_counter() - t0
-        if base is None:
-            tok = llm.get_tokenizer()
-            if tok is None:
-                raise ValueError("this model has no tokenizer, so it cannot read a text")
-            tokens = tok.encode(text, add_special_tokens=True)
-            chunking, chunks = make_chunks(tokens, s.n_ctx, s.chunks, tok.bos_token_id if tok.add_bos_token else None)
-            doc = {"model": llm.engine.model_name,
-                   "text": {"path": str(s.text_path), "sha256": hashlib.sha256(text_bytes).hexdigest(),
-                            "tokens": len(tokens), "n_ctx": s.n_ctx, "chunks": chunking.n_chunks,
-                            "scored_tokens": chunking.n_chunks * chunking.scored_per_chunk,
-                            "kld_top_k": s.kld_top_k, "chunks_per_step": s.chunks_per_step}}
+        if chunking is None:
+            chunking, chunks, facts = _chunks(llm, text, s)
+            model_name = llm.engine.model_name
             bar = tqdm(total=len(modes) * (chunking.n_chunks + 2 * s.speed.runs), unit="step", file=log,
-                       dynamic_ncols=True, desc=mode.label)
-        assert chunking is not None and bar is not None
-        kacc, parts = KldAccumulator(), []
+                       dynamic_ncols=True)
+        assert bar is not None
+        bar.set_description(mode.label)
         t1 = time.perf_counter()
-        for score in score_chunks(llm, chunks, chunking, s.chunks_per_step, whole_rows=True):
-            assert score.rows is not None  # whole_rows=True
-            if base is None:  # the base is compared with its own summary: KLD ~0, the check of the method
-                ref = base_rows(score.rows, score.targets, s.kld_top_k)
-                parts.append(ref)
-            else:
-                n = chunking.scored_per_chunk
-                ref = base.rows(score.index * n, (score.index + 1) * n)
-            kacc.add(token_stats(score.rows, score.targets, ref))
-            bar.update(1)
-        if base is None:
-            base = BaseRows.concat(parts)
-        summary = kacc.summary()
+        summary, base = _score(llm, chunking, chunks, s, base, bar.update)
         t2 = time.perf_counter()
         speed = measure_speed(llm, s.speed, on_run=bar.update)
-        t3 = time.perf_counter()
-        row = _row(mode, llm, summary, speed, {"load": t_load, "score": t2 - t1, "speed": t3 - t2})
+        row = _row(mode, llm, summary, speed, {"load": t_load, "score": t2 - t1, "speed": time.perf_counter() - t2})
         rows.append(row)
         bar.write(f"quant-report: {mode.label}: PPL {row['ppl']:.4f}, KLD {row['kld_mean']:.6f}, "
                   f"same top {row['same_top_pct']:.2f}%, decode {row['decode_tps_1']:.1f} tok/s (1 stream), "
                   f"{row['decode_tps_n']:.1f} ({s.speed.streams} streams); {row['precision']}", file=log)
-        del llm, score
+        del llm  # one model in memory at a time
         gc.collect()
     if bar is not None:
         bar.close()
     machine["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     return {"report": "inferlab quant-report",
             "created": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            **doc, "machine": machine,
-            "speed_settings": asdict(s.speed),
+            "model": model_name, "text": facts, "machine": machine, "speed_settings": asdict(s.speed),
             "rows": rows, "skipped": [asdict(x) for x in skipped]}

@@ -18,12 +18,18 @@ def _pm(value: float | None, error: float | None, digits: int) -> str:
     return f"{value:.{digits}f} ± {error:.{digits}f}"
 
 
+def _z(x: float, digits: int) -> float:
+    """-0.0000001 shows as 0.000000, not -0.000000 (the base against itself)."""
+    return 0.0 if abs(x) < 0.5 * 10**-digits else x
+
+
 def table_rows(doc: dict[str, Any]) -> list[list[str]]:
     """One list of cells per measured row, in COLUMNS' order."""
     out = []
     for r in doc["rows"]:
         out.append([r["label"], r["weights"], r["kv"], _pm(r["ppl"], r["ppl_error"], 4),
-                    f"{r['ppl_change_pct']:+.3f}%", _pm(r["kld_mean"], r["kld_mean_error"], 6), f"{r['kld_p99']:.5f}",
+                    f"{_z(r['ppl_change_pct'], 3):+.3f}%", _pm(_z(r["kld_mean"], 6), r["kld_mean_error"], 6),
+                    f"{_z(r['kld_p99'], 5):.5f}",
                     f"{r['same_top_pct']:.2f}%", f"{r['weight_bytes'] / 1e6:.1f}", f"{r['kv_bytes_per_token']:.0f}",
                     f"{r['decode_tps_1']:.1f}", f"{r['decode_tps_n']:.1f}"])
     return out
