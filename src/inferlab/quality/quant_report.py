@@ -3,7 +3,11 @@
 The float32 base (`--dtype float32`: weights, compute and K/V in float32) is scored first and its
 distribution over the scored tokens kept in memory, summarized as a KL-divergence base file
 would be (kld.base_rows, top-K + a rest bin), so every other mode is compared with the same
-numbers (base and modes on the same machine, the same text, the same chunks). Each mode's
+numbers (base and modes on the same machine, the same text, the same chunks). Each chunk is
+prefilled in two steps (long_prefill_token_threshold = n_ctx / 2), so that the scored second half
+attends over K/V read back from the cache, in the cache's dtype, as a decode step does: a chunk
+prefilled in one step attends over its fresh float32 K/V, and every K/V dtype would score the
+same (measured: identical KLD). Each mode's
 engine is built once, scores the chunks (perplexity, KLD vs the base, same top token), then
 runs the decode speed test (report_speed.py), and is freed before the next one is built, so
 only one model is in memory at a time. The result is a plain JSON-ready document; rendering
@@ -75,14 +79,16 @@ def machine_info() -> dict[str, Any]:
 
 
 def kv_bytes_per_token(runner) -> float:
-    """Bytes of the whole K/V pool the runner allocated (every tensor in it, scales included),
-    per token slot."""
+    """K/V bytes per token slot: the runner's own figure where it has one (scales included), else
+    the bytes of the pool it allocated (tensors, or cache objects with .nbytes) over its slots."""
+    reported = getattr(runner, "kv_bytes_per_token", None)
+    if isinstance(reported, (int, float)):
+        return float(reported)
+
     def nbytes(x) -> int:
-        if isinstance(x, torch.Tensor):
-            return x.nbytes
         if isinstance(x, (list, tuple)):
             return sum(nbytes(y) for y in x)
-        return 0
+        return int(getattr(x, "nbytes", 0))
 
     return nbytes(runner.kv_caches) / (runner.num_blocks * runner.block_size)
 
@@ -112,6 +118,7 @@ def _build(mode: Mode, s: ReportSettings):
                max_model_len=max(s.n_ctx + 1, s.speed.prompt_tokens + s.speed.output_tokens + 1),
                max_num_batched_tokens=max(s.batch_size, s.n_ctx, s.speed.tokens_per_step),
                max_num_seqs=max(s.chunks_per_step, s.speed.streams), block_size=s.block_size,
+               long_prefill_token_threshold=s.n_ctx // 2,  # the scored half reads the cache (see above)
                num_kv_blocks=need + 2, enable_prefix_caching=True, num_threads=s.threads)  # scoring never uses it
 
 
@@ -183,6 +190,9 @@ def measure(settings: ReportSettings, modes: list[Mode], skipped: list[Skipped],
     if not modes or modes[0].kind != "base":
         raise ValueError("the float32 base must be the first mode")
     s = settings
+    if s.speed.prompt_tokens > s.n_ctx // 2:
+        raise ValueError(f"--prompt-tokens {s.speed.prompt_tokens} is over half the context ({s.n_ctx // 2}), "
+                         "the prefill piece: the speed runs' prompts would not be prefilled in one step")
     text = Path(s.text_path).read_bytes()
     machine = machine_info()
     skipped = list(skipped)
