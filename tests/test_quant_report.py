@@ -71,6 +71,15 @@ def test_rows_resolve_through_the_loader_and_duplicates_are_skipped():
     assert all(s.reason for s in skipped)
 
 
+@pytest.mark.parametrize("n_ctx, batch", [(512, 2048), (512, 512), (32, 64), (4096, 4096), (2048, 8192), (4, 4096)])
+def test_scoring_steps_are_decode_sized_and_the_scored_half_reads_the_cache(n_ctx, batch):
+    from inferlab.kernels.linear import MKL_MIN_ROWS
+    from inferlab.quality.quant_report import ReportSettings
+
+    s = ReportSettings(None, "t.txt", n_ctx=n_ctx, batch_size=batch)
+    assert s.chunks_per_step * s.piece < MKL_MIN_ROWS and 1 <= s.piece <= n_ctx // 2
+
+
 def test_a_mode_the_cpu_lacks_is_skipped_with_the_loaders_reason(monkeypatch):
     from inferlab.kernels import build
     from inferlab.models import loader

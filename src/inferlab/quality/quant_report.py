@@ -3,11 +3,16 @@
 The float32 base (`--dtype float32`: weights, compute and K/V in float32) is scored first and its
 distribution over the scored tokens kept in memory, summarized as a KL-divergence base file
 would be (kld.base_rows, top-K + a rest bin), so every other mode is compared with the same
-numbers (base and modes on the same machine, the same text, the same chunks). Each chunk is
-prefilled in two steps (long_prefill_token_threshold = n_ctx / 2), so that the scored second half
-attends over K/V read back from the cache, in the cache's dtype, as a decode step does: a chunk
-prefilled in one step attends over its fresh float32 K/V, and every K/V dtype would score the
-same (measured: identical KLD). Each mode's
+numbers (base and modes on the same machine, the same text, the same chunks).
+
+The chunks are scored the way generated tokens are computed, not the way a long prompt is: in
+pieces of `piece` tokens (the scheduler's long_prefill_token_threshold) small enough that a
+step's rows (chunks per step x piece) stay under kernels/linear.py's MKL_MIN_ROWS, so every
+linear runs the decode-size kernels (w8a8's int8-quantized x, vdpbf16ps) rather than the
+prefill GEMM (oneDNN bf16 on converted tiles), and every piece after the first attends over K/V
+read back from the cache in its dtype. Prefilled in one step, a chunk attends over its fresh
+float32 K/V and multiplies through the GEMM: every K/V dtype then scored the same, and w8a8 the
+same as int8 (measured). Each mode's
 engine is built once, scores the chunks (perplexity, KLD vs the base, same top token), then
 runs the decode speed test (report_speed.py), and is freed before the next one is built, so
 only one model is in memory at a time. The result is a plain JSON-ready document; rendering
@@ -31,6 +36,7 @@ from typing import Any, TextIO
 
 import torch
 
+from inferlab.kernels.linear import MKL_MIN_ROWS
 from inferlab.quality.kld import BaseRows, KldAccumulator, KldSummary, base_rows, token_stats
 from inferlab.quality.perplexity import Chunking, make_chunks
 from inferlab.quality.report_modes import Mode, Skipped
@@ -52,7 +58,14 @@ class ReportSettings:
 
     @property
     def chunks_per_step(self) -> int:
-        return max(1, self.batch_size // self.n_ctx)
+        """Chunks scored side by side (batch_size / n_ctx, as llama-perplexity), each one piece per step."""
+        return max(1, min(self.batch_size // self.n_ctx, MKL_MIN_ROWS - 1))
+
+    @property
+    def piece(self) -> int:
+        """Prompt tokens per chunk per step: chunks_per_step pieces under MKL_MIN_ROWS rows, and at
+        most half a chunk (the scored half then always reads the cache)."""
+        return max(1, min(self.n_ctx // 2, (MKL_MIN_ROWS - 1) // self.chunks_per_step))
 
 
 def cpu_model() -> str:
@@ -118,7 +131,7 @@ def _build(mode: Mode, s: ReportSettings):
                max_model_len=max(s.n_ctx + 1, s.speed.prompt_tokens + s.speed.output_tokens + 1),
                max_num_batched_tokens=max(s.batch_size, s.n_ctx, s.speed.tokens_per_step),
                max_num_seqs=max(s.chunks_per_step, s.speed.streams), block_size=s.block_size,
-               long_prefill_token_threshold=s.n_ctx // 2,  # the scored half reads the cache (see above)
+               long_prefill_token_threshold=s.piece,  # decode-size steps reading the cache (see above)
                num_kv_blocks=need + 2, enable_prefix_caching=True, num_threads=s.threads)  # scoring never uses it
 
 
@@ -160,7 +173,7 @@ def _chunks(llm, text: bytes, s: ReportSettings) -> tuple[Chunking, list[list[in
     chunking, chunks = make_chunks(tokens, s.n_ctx, s.chunks, tok.bos_token_id if tok.add_bos_token else None)
     facts = {"path": str(s.text_path), "sha256": hashlib.sha256(text).hexdigest(), "tokens": len(tokens),
              "n_ctx": s.n_ctx, "chunks": chunking.n_chunks, "scored_tokens": chunking.n_chunks * chunking.scored_per_chunk,
-             "kld_top_k": s.kld_top_k, "chunks_per_step": s.chunks_per_step}
+             "kld_top_k": s.kld_top_k, "chunks_per_step": s.chunks_per_step, "piece_tokens": s.piece}
     return chunking, chunks, facts
 
 
@@ -190,10 +203,9 @@ def measure(settings: ReportSettings, modes: list[Mode], skipped: list[Skipped],
     if not modes or modes[0].kind != "base":
         raise ValueError("the float32 base must be the first mode")
     s = settings
-    if s.speed.prompt_tokens > s.n_ctx // 2:
-        raise ValueError(f"--prompt-tokens {s.speed.prompt_tokens} is over half the context ({s.n_ctx // 2}), "
-                         "the prefill piece: the speed runs' prompts would not be prefilled in one step")
     text = Path(s.text_path).read_bytes()
+    if s.threads:
+        torch.set_num_threads(s.threads)  # as every engine will: the header's figure
     machine = machine_info()
     skipped = list(skipped)
     rows: list[dict[str, Any]] = []

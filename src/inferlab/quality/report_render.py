@@ -48,13 +48,14 @@ def markdown(doc: dict[str, Any]) -> str:
         f"- Kernels: {m['kernels_line']}.",
         f"- Text: `{t['path']}` (sha256 `{t['sha256'][:12]}…`), {t['tokens']:,} tokens, {t['chunks']} chunks of "
         f"{t['n_ctx']}, {t['scored_tokens']:,} scored tokens (llama-perplexity's method), {t['chunks_per_step']} "
-        f"chunks per step.",
+        f"chunks per step in pieces of {t.get('piece_tokens', '?')} tokens: decode-size steps that read K/V "
+        f"back from the cache, as generated tokens are computed (quant_report.py).",
         f"- Quality against the float32 base (`--dtype float32`) of the same run; its distribution kept as the "
         f"top {t['kld_top_k']} log-probs + the rest (so KLD is a lower bound, see perplexity.md). ΔPPL: "
         f"PPL / PPL(base) − 1.",
         f"- Speed: offline engine, greedy, fixed prompts of {sp['prompt_tokens']} tokens, {sp['output_tokens']} "
         f"out; decode tokens/s after the first token, medians of {sp['runs']} runs; the {sp['streams']} streams "
-        f"are prefilled in one step (the first run; the next ones reuse it through the prefix cache).",
+        f"are prefilled together (the first run; the next ones reuse it through the prefix cache).",
         "",
         "| " + " | ".join(c.format(n=sp["streams"]) for c in COLUMNS) + " |",
         "|" + "|".join("---" if i < 3 else "---:" for i in range(len(COLUMNS))) + "|",

@@ -3,8 +3,9 @@
 Fixed prompts (seeded token ids, the same for every mode), greedy, ignore_eos, so every mode
 decodes the same number of tokens. Decode tokens/s is what the streams produce after their first
 token, over the time from the first first-token to the last token: the engine's token budget
-(LLM's max_num_batched_tokens) must take every prompt in one step, so that the span holds
-decode steps only (measure_speed checks it). The median of `runs` runs is reported, with the runs.
+(LLM's max_num_batched_tokens) must take every prompt at once (in as many pieces as the
+scheduler cuts it into, the same for every stream), so that all streams finish their prefill in
+the same step and the span holds decode steps only (measure_speed checks the budget). The median of `runs` runs is reported, with the runs.
 Every run uses the same prompts through the prefix cache, so only the first run pays the prefill
 (4,096 tokens at 32 x 128, the bulk of a run's time on a small CPU) and the rest decode at once;
 decode reads the same K/V either way.
