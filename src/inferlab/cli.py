@@ -17,6 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("inferlab.entrypoints.generate_cli", "generate a reply offline (a prompt or chat messages)"),
     "tokenize": ("inferlab.entrypoints.tokenize_cli", "print a text's tokens, one `ID -> 'piece'` line each"),
     "perplexity": ("inferlab.quality.cli", "perplexity of a text (llama-perplexity's method), KL divergence from a base model"),
+    "quant-report": ("inferlab.quality.report_cli",
+                     "every weight mode and K/V dtype this machine runs: PPL, KLD vs float32 and decode speed"),
     "bench": ("inferlab.bench.cli", "load-test an OpenAI-compatible server and report latency, throughput, cost"),
     "plan": ("inferlab.plan.cli", "predict memory, speed and cost on paper"),
     "simulate": ("inferlab.plan.simulate_cli", "simulate the scheduler step by step with a cost model"),
