@@ -29,6 +29,7 @@ from inferlab.models.attention import (
     paged_attention,
 )
 from inferlab.models.dummy_loader import load_dummy
+from inferlab.models.kv_cache import KVCache
 from inferlab.models.testing import make_tiny_hf_model, tiny_model_config
 
 H, KVH, D, BS, NUM_BLOCKS = 6, 2, 64, 16, 160
@@ -118,7 +119,7 @@ def _run_case(runner: ModelRunner, spec: list[tuple[int, int]], seed: int = 0):
         expected[new] = _reference(q[new], torch.cat([hist_k, k[new]]), torch.cat([hist_v, v[new]]), s.start_pos)
         row += n
     # kv_written: the cache is as the test left it (a fused op would have written it).
-    out = paged_attention(q, k, v, (k_cache, v_cache), meta, SCALE, kv_written=True)
+    out = paged_attention(q, k, v, KVCache(k_cache, v_cache), meta, SCALE, kv_written=True)
     assert not out.isnan().any()
     torch.testing.assert_close(out.view(t, H, D), expected, atol=2e-5, rtol=1e-4)
     return meta

@@ -7,9 +7,11 @@
 
 #include "simd.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace inferlab_rows {
 
@@ -53,5 +55,27 @@ inline void store_row(const float* src, at::Half* dst, int64_t n) {
 inline void store_row(const float* src, at::BFloat16* dst, int64_t n) {
   for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<at::BFloat16>(src[j]);
 }
+
+// A float32 row into int8 codes and its one scale: the int8 K/V cache's format, with the
+// arithmetic of models/kv_cache.py's quantize_kv, so every writer stores the same codes:
+// scale = max|x| / 127, code = round-half-even(x / scale) (a zero row: scale 0, codes 0).
+// One row per new token and KV head: not a hot loop, kept scalar and exact (true division).
+inline void quantize_row(const float* src, int8_t* dst, float* scale, int64_t n) {
+  float amax = 0.f;
+  for (int64_t j = 0; j < n; ++j) amax = std::max(amax, std::fabs(src[j]));
+  const float s = amax / 127.f;
+  const float div = std::max(s, std::numeric_limits<float>::min());
+  for (int64_t j = 0; j < n; ++j)
+    dst[j] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(src[j] / div))));
+  *scale = s;
+}
+
+// One K or V row into its cache slot: converted (a float cache; `scale` is unused and may be
+// null) or quantized with its scale written to `scale` (an int8 cache).
+template <typename C>
+inline void store_kv_row(const float* src, C* dst, float* /*scale*/, int64_t n) {
+  store_row(src, dst, n);
+}
+inline void store_kv_row(const float* src, int8_t* dst, float* scale, int64_t n) { quantize_row(src, dst, scale, n); }
 
 }  // namespace inferlab_rows
