@@ -111,7 +111,8 @@ at::Tensor paged_attention_decode(const at::Tensor& q_in, const at::Tensor& k_ca
                     "paged_attention_decode: cache dtype ", dt, " is not float32, bfloat16, float16 or int8");
   TORCH_CHECK_VALUE(v_cache.scalar_type() == dt, "paged_attention_decode: k_cache and v_cache must share one dtype");
   TORCH_CHECK_VALUE(q_in.scalar_type() == at::kFloat || (q_in.scalar_type() == dt && dt != at::kChar),
-                    "paged_attention_decode: q must be float32 or the cache's float dtype (", dt, "), got ",
+                    "paged_attention_decode: q must be float32 or the cache's dtype (", dt,
+                    "; float32 for an int8 cache), got ",
                     q_in.scalar_type());
   check_scales(k_cache, k_scale, v_scale);
   const int64_t b = q_in.size(0), h = q_in.size(1), d = q_in.size(2), kvh = k_cache.size(0);
