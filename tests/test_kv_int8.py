@@ -231,10 +231,12 @@ def _generate(model, monkeypatch, path: str, prompts, kv_cache_dtype: str = "int
 
 
 @needs_kernels
-def test_the_three_paths_generate_alike_with_an_int8_cache(tiny, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: DecoderStep's q/k norm before the K write
+def test_the_three_paths_generate_alike_with_an_int8_cache(tiny, tmp_path, monkeypatch, arch):
+    model = tiny if arch == "llama" else make_tiny_hf_model(tmp_path / arch, arch=arch)
     g = torch.Generator().manual_seed(2)
     prompts = [[torch.randint(3, 250, (int(n),), generator=g).tolist() for n in (3, 17, 40, 9, 33)]]
-    runs = {p: _generate(tiny, monkeypatch, p, prompts, num_kv_blocks=64) for p in PATHS}
+    runs = {p: _generate(model, monkeypatch, p, prompts, num_kv_blocks=64) for p in PATHS}
     assert runs["step"][2] and not runs["operators"][2]  # DecoderStep ran only where asked
     for p in ("operators", "plain torch"):
         assert_same_greedy(runs[p][0], runs["step"][0], tol=2e-3, top_ids=True)

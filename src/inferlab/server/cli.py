@@ -58,7 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how the linear layers' weights are stored (auto: float16 when --dtype auto computes "
                         "in float32 on the CPU and our kernels load, else as --dtype)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                   help="how K and V are stored (auto: float16 where --weight-dtype auto is float16, else as --dtype)")
+                   help="how K and V are stored (auto: float16 where --weight-dtype auto is float16, else as --dtype; "
+                        "int8: codes with a float32 scale per token and KV head, ~1.9x float16's tokens)")
     p.add_argument("--load-format", default="auto", choices=["auto", "gguf", "hf", "dummy"])
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on inference routes (or set INFERLAB_API_KEY)")
