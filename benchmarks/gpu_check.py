@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from inferlab import LLM, SamplingParams  # noqa: E402
 from inferlab.models.attention import meta_to  # noqa: E402
-from inferlab.plan.roofline import kv_bytes_per_token, mean_decode_context  # noqa: E402
+from inferlab.plan.roofline import mean_decode_context  # noqa: E402
 
 LLAMA_31_8B = {  # meta-llama/Llama-3.1-8B's config.json (public), less the fields we do not read
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -114,8 +114,7 @@ def run_8b(work: Path, bandwidth: float) -> dict:
     runner = llm.engine.runner
     m = runner.model
     weight_bytes = m.decode_weight_nbytes  # what a decode step reads of the weights
-    mc = llm.engine.model_config
-    kv_per_token = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, runner.kv_caches[0][0].element_size())
+    kv_per_token = runner.kv_bytes_per_token  # as stored (an int8 cache's scales included)
     ctx = mean_decode_context(128, 128)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1000, 120000, (128,), generator=g).tolist() for _ in range(64)]

@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from inferlab import LLM, SamplingParams
 from inferlab.plan.measure import measure_cpu
-from inferlab.plan.roofline import attention_pairs, kv_bytes_per_token
+from inferlab.plan.roofline import attention_pairs
 
 BUCKETS = {
     "matmul": ("aten::mm", "aten::addmm", "aten::linear", "aten::bmm", "aten::matmul", "mkl", "mkldnn",
@@ -125,8 +125,7 @@ def roofs(llm: LLM, bandwidth: float, flops: float, steps: int) -> tuple[dict[st
     the larger of the bytes over the bandwidth and the FLOPs over the matmul rate (at 32
     sequences the compute roof binds on this CPU, in a prefill always). Also the weight bytes."""
     mc = llm.engine.model_config
-    kv_per_token = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                                      llm.engine.runner.kv_caches[0][0].element_size())
+    kv_per_token = llm.engine.runner.kv_bytes_per_token  # as stored (an int8 cache's scales included)
     wb = llm.engine.runner.model.decode_weight_nbytes
     layer_params = (mc.hidden_size * (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
                     + mc.num_heads * mc.head_dim * mc.hidden_size + 3 * mc.hidden_size * mc.intermediate_size)

@@ -23,6 +23,7 @@ from inferlab.models.attention import (
     padded_slots_and_mask,
     paged_attention,
 )
+from inferlab.models.kv_cache import KVCache
 from inferlab.models.testing import make_tiny_hf_model
 
 needs_kernels = pytest.mark.skipif(
@@ -219,8 +220,8 @@ def test_paged_attention_kernel_and_fallback_agree():
     kernel_meta = AttentionMetadata(
         slot_mapping, 4, BatchGroup(block_tables=tables, context_lens=ctx, block_size=16), None
     )
-    a = paged_attention(q, new_k, new_v, (kc.clone(), vc.clone()), sdpa_meta, 0.2)
-    b = paged_attention(q, new_k, new_v, (kc.clone(), vc.clone()), kernel_meta, 0.2)
+    a = paged_attention(q, new_k, new_v, KVCache(kc.clone(), vc.clone()), sdpa_meta, 0.2)
+    b = paged_attention(q, new_k, new_v, KVCache(kc.clone(), vc.clone()), kernel_meta, 0.2)
     torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 
 

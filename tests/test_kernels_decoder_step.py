@@ -81,7 +81,7 @@ def _direct_step(models):
 def test_decode_step_refuses_bad_inputs_with_a_clear_error(models):
     step, good, runner = _direct_step(models)
     step.forward(**{k: v.clone() for k, v in good.items()})  # the valid call works
-    slots = runner.kv_caches[0][0].shape[1]
+    slots = runner.kv_caches[0].k.shape[1]
     bad = {
         "slot": ({"slots": torch.tensor([3, slots])}, "slot"),
         "position": ({"positions": torch.tensor([3, 10**6])}, "rope table"),
@@ -99,9 +99,9 @@ def test_decode_step_refuses_bad_inputs_with_a_clear_error(models):
 
 def test_decode_step_writes_the_new_tokens_kv_into_the_cache(models):
     step, good, runner = _direct_step(models)
-    k0, v0 = (t.clone() for t in runner.kv_caches[0])
+    k0, v0 = runner.kv_caches[0].k.clone(), runner.kv_caches[0].v.clone()
     step.forward(**good)
-    k1, v1 = runner.kv_caches[0]
+    k1, v1 = runner.kv_caches[0].k, runner.kv_caches[0].v
     changed = ((k1 != k0).any(dim=2) | (v1 != v0).any(dim=2)).any(dim=0).nonzero().flatten().tolist()
     assert changed == [3, 16]  # exactly the two slots of the two rows
 

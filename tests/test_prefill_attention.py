@@ -30,6 +30,7 @@ from inferlab.models.attention import (
     paged_attention,
 )
 from inferlab.models.dummy_loader import load_dummy
+from inferlab.models.kv_cache import KVCache, dequantize_kv, quantize_kv
 from inferlab.models.testing import make_tiny_hf_model, tiny_model_config
 
 H, KVH, D, BS, NUM_BLOCKS = 6, 2, 64, 16, 160
@@ -81,6 +82,14 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
     return x.bfloat16().float()
 
 
+def _stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [.., D] as a cache of `dtype` gives it back (int8: codes x per-row scales)."""
+    if dtype == torch.int8:
+        codes, scale = quantize_kv(x)
+        return dequantize_kv(codes, scale, torch.float32)
+    return x.to(dtype).float()
+
+
 def _run_case(runner: ModelRunner, spec: list[tuple[int, int]], seed: int = 0, bf16_products: bool = False,
               cache_dtype: torch.dtype = torch.float32):
     """One step through _prepare + paged_attention against the per-request reference.
@@ -126,21 +135,27 @@ def _run_case(runner: ModelRunner, spec: list[tuple[int, int]], seed: int = 0, b
             v_cache[:, _slots(s, range(s.start_pos, s.start_pos + n))] = v[new].transpose(0, 1)
         kr, vr = torch.cat([hist_k, k[new]]), torch.cat([hist_v, v[new]])
         if bf16_products and n == 1:  # a decode: float32 products over the cache's values
-            expected[new] = _reference(q[new], kr.to(cache_dtype).float(), vr.to(cache_dtype).float(), s.start_pos)
+            expected[new] = _reference(q[new], _stored(kr, cache_dtype), _stored(vr, cache_dtype), s.start_pos)
         elif bf16_products:  # SCALE is a power of two: rounding q x SCALE is rounding q
-            from_cache = (lambda x: _bf16(x.to(cache_dtype).float())) if s.start_pos > 0 else _bf16
+            from_cache = (lambda x: _bf16(_stored(x, cache_dtype))) if s.start_pos > 0 else _bf16
             expected[new] = _reference(_bf16(q[new]), from_cache(kr), from_cache(vr), s.start_pos)
         else:
             expected[new] = _reference(q[new], kr, vr, s.start_pos)
         row += n
-    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    if cache_dtype == torch.int8:  # codes and scales of the float cache (NaN stays outside every context)
+        (kq, ks), (vq, vs) = quantize_kv(k_cache), quantize_kv(v_cache)
+        cache = KVCache(kq, vq, ks, vs)
+    else:
+        cache = KVCache(k_cache.to(cache_dtype), v_cache.to(cache_dtype))
     # kv_written: the cache is as the test left it (a fused op would have written it).
     with torch.profiler.profile() as prof:
-        out = paged_attention(q, k, v, (k_cache, v_cache), meta, SCALE, kv_written=True, bf16_products=bf16_products)
+        out = paged_attention(q, k, v, cache, meta, SCALE, kv_written=True, bf16_products=bf16_products)
     ran = {e.key for e in prof.key_averages()}
-    if bf16_products:  # the kernel ran, for each kind of chunk present
-        assert ("inferlab::prefill_attention_bf16" in ran) == bool(meta.prefill.fresh), ran
-        assert ("inferlab::prefill_attention_paged_bf16" in ran) == bool(meta.prefill.continuing), ran
+    if bf16_products:  # the kernel ran, for each kind of chunk present (int8: gathered, then the same kernel)
+        paged = bool(meta.prefill.continuing) and cache_dtype != torch.int8
+        assert ("inferlab::prefill_attention_bf16" in ran) == (bool(meta.prefill.fresh) or
+                                                               (bool(meta.prefill.continuing) and not paged)), ran
+        assert ("inferlab::prefill_attention_paged_bf16" in ran) == paged, ran
     else:
         assert not any("_bf16" in key for key in ran), ran
     assert not out.isnan().any()
@@ -183,7 +198,7 @@ def test_other_tile_sizes(runner, monkeypatch, tile):
 
 @pytest.mark.skipif(not build.kernel_info().bf16_dot,
                     reason=f"needs the avx512 kernel variant (AVX512_BF16); this CPU runs {build.kernel_info().variant}")
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8])
 def test_bf16_products_kernel(runner, cache_dtype):
     """The avx512 flash attention (kernels/csrc/prefill_attention.cpp) on every kind of chunk:
     fresh runs straight from the flat batch, continuing chunks read from the paged cache in

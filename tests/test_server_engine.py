@@ -329,5 +329,8 @@ def test_server_info_reports_the_engines_decisions(srv):
     p = info["precision"]
     assert (p["compute"], p["weights"], p["kv_cache"]) == ("float32", "float32", "float32")  # tiny_config: float32
     assert p["summary"].startswith("weights float32")
-    assert info["kv_cache"] == {"num_blocks": 64, "block_size": 16, "prefix_caching": True}
+    kv = dict(info["kv_cache"])
+    per_token = kv.pop("bytes_per_token")  # float32 K and V of every layer: 2 x 4 bytes per head_dim value
+    assert kv == {"num_blocks": 64, "block_size": 16, "dtype": "float32", "prefix_caching": True}
+    assert per_token > 0 and per_token % 8 == 0
     assert info["kernels"]["variant"] in ("avx512", "avx2", "none") and "cpu_flags" in info["kernels"]

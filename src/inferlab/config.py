@@ -54,7 +54,8 @@ class ModelConfig:
 # int8: weight-only (float products); w8a8: int8 weights and x quantized per group of 64 on the
 # fly, integer dot products (vpdpbusd; the AVX-512 kernel variant only), faster, less accurate.
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "w8a8")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# int8: K and V as int8 codes with one float32 scale per token and KV head (models/kv_cache.py).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,8 @@ class CacheConfig:
     num_blocks_override: int | None = None  # exact number of blocks (tests force preemption with this)
     enable_prefix_caching: bool = True
     # How K and V are stored: "auto" (float16 where the weights are float16 by "auto": a float32
-    # CPU with our kernels; else the compute dtype) | "float32" | "bfloat16" | "float16".
+    # CPU with our kernels; else the compute dtype) | "float32" | "bfloat16" | "float16" | "int8"
+    # (codes + a float32 scale per token and KV head: ~1.9x float16's tokens in the same memory).
     cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

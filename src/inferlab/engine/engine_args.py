@@ -117,7 +117,8 @@ _FLAGS: list[tuple[str, tuple[str, ...], dict[str, Any]]] = [
                                                help="how the linear layers' weights are stored (README: Precision and speed)")),
     ("kv_cache_dtype", ("--kv-cache-dtype",), dict(default=_D.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                                                    help="how K and V are stored (auto: float16 where the weights are 16-bit "
-                                                        "by auto, else as --dtype)")),
+                                                        "by auto, else as --dtype; int8: codes with a float32 "
+                                                        "scale per token and KV head, ~1.9x float16's tokens)")),
     ("load_format", ("--load-format",), dict(default=_D.load_format, choices=LOAD_FORMATS)),
     ("max_model_len", ("--max-model-len",), dict(type=int, default=None,
                                                  help="context window in tokens (default: the model's context length, "

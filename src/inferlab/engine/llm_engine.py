@@ -125,6 +125,8 @@ class LLMEngine:
                 "summary": model.describe_precision(),
             },
             "kv_cache": {"num_blocks": self.num_blocks, "block_size": self.cache_config.block_size,
+                         "dtype": dtype_name(self.runner.kv_dtype),
+                         "bytes_per_token": self.runner.kv_bytes_per_token,
                          "prefix_caching": self.cache_config.enable_prefix_caching},  # fmt: skip
             "kernels": kernels_build.kernel_info().as_dict(),
             "device": str(self.runner.device),

@@ -23,14 +23,14 @@ from inferlab.models.attention import (
     ContinuingChunk,
     FreshRun,
     PrefillBatch,
-    allocate_kv_cache,
     causal_bias_band,
     decode_kernel_enabled,
     meta_to,
     padded_slots_and_mask,
     prefill_tile,
 )
-from inferlab.models.decoder import DecoderModel
+from inferlab.models.decoder import DecoderModel, dtype_name
+from inferlab.models.kv_cache import allocate_kv_cache, kv_bytes_per_token
 from inferlab.models.loader import int8_activations, resolve_dtype, resolve_kv_dtype, resolve_weight_dtype
 
 log = logging.getLogger(__name__)
@@ -42,12 +42,12 @@ PROMPT_LOGPROB_ROWS = 256
 
 
 def num_kv_blocks(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
-    """Blocks that fit the KV budget: 2 (K, V) x layers x kv heads x head dim x bytes, per token."""
+    """Blocks that fit the KV budget: 2 (K, V) x layers x kv heads x (head dim x bytes, plus an
+    int8 row's scale), per token."""
     if cache.num_blocks_override is not None:
         return cache.num_blocks_override
     budget = cache.kv_cache_memory or DEFAULT_KV_CACHE_BYTES
-    elem = torch.empty((), dtype=dtype).element_size()
-    per_block = 2 * model.num_layers * model.num_kv_heads * model.head_dim * elem * cache.block_size
+    per_block = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, dtype) * cache.block_size
     n = budget // per_block
     if n < 1:
         raise ValueError(f"kv_cache_memory of {budget} bytes holds no block of {per_block} bytes")
@@ -69,7 +69,9 @@ class ModelRunner:
         self.weight_dtype = resolve_weight_dtype(load_config)  # how the linear layers' weights are stored
         self.model = DecoderModel(model_config, weights, self.dtype, weight_dtype=self.weight_dtype,
                                   int8_activations=int8_activations(load_config))
-        self.kv_dtype = resolve_kv_dtype(load_config, cache_config)
+        self.kv_dtype = resolve_kv_dtype(load_config, cache_config)  # decided once; the caches carry it on
+        self.kv_bytes_per_token = kv_bytes_per_token(model_config.num_layers, model_config.num_kv_heads,
+                                                     model_config.head_dim, self.kv_dtype)
         self.num_blocks = num_kv_blocks(model_config, cache_config, self.kv_dtype)
         self.kv_caches = allocate_kv_cache(
             model_config.num_layers,
@@ -79,9 +81,9 @@ class ModelRunner:
             self.kv_dtype,
             device=self.device,
         )
-        log.info("KV cache: %d blocks of %d tokens, %s, %.0f MiB", self.num_blocks, self.block_size,
-                 str(self.kv_dtype).removeprefix("torch."),
-                 sum(k.nbytes + v.nbytes for k, v in self.kv_caches) / 2**20)
+        log.info("KV cache: %d blocks of %d tokens, %s, %d bytes per token, %.0f MiB", self.num_blocks,
+                 self.block_size, describe_kv_dtype(self.kv_dtype), self.kv_bytes_per_token,
+                 sum(c.nbytes for c in self.kv_caches) / 2**20)
         self.sampler = Sampler(load_config.seed)
 
     @torch.inference_mode()
@@ -197,7 +199,7 @@ class ModelRunner:
 
         decode_group = None
         if decodes:
-            paged = self.device.type == "cpu" and decode_kernel_enabled(self.kv_caches[0][0].dtype)
+            paged = self.device.type == "cpu" and decode_kernel_enabled(self.kv_dtype)
             decode_group = self._decode_group(decodes, decode_lens, paged)
         prefill = self._prefill_batch(prefills, nd) if prefills else None
         meta = AttentionMetadata(slot_mapping, nd, decode_group, prefill)
@@ -253,6 +255,11 @@ class ModelRunner:
         starts = torch.tensor(ctx_lens, dtype=torch.long) - 1
         slots, mask = padded_slots_and_mask(tables, bs, starts, 1, max(ctx_lens))
         return BatchGroup(slots=slots, mask=mask)
+
+
+def describe_kv_dtype(dtype: torch.dtype) -> str:
+    """The K/V storage in words, for the load log."""
+    return "int8 (codes + a float32 scale per token and KV head)" if dtype == torch.int8 else dtype_name(dtype)
 
 
 def padded_block_tables(tables: list[list[int]], dtype: torch.dtype) -> torch.Tensor:

@@ -23,8 +23,9 @@ class LLM:
     reads), else the compute dtype; or "float32" | "bfloat16" | "float16" | "int8" | "w8a8"
     (int8 weights and int8 activations, integer dot products: where the CPU has VNNI).
     kv_cache_dtype is how K and V are stored: "auto" is float16 where "auto" weights are, else
-    the compute dtype; or "float32" | "bfloat16" | "float16". Every other engine setting is a
-    keyword too: the fields of EngineArgs, the same settings `inferlab serve` takes as flags.
+    the compute dtype; or "float32" | "bfloat16" | "float16" | "int8" (codes with one float32
+    scale per token and KV head: ~1.9x float16's tokens in the same memory). Every other engine
+    setting is a keyword too: the fields of EngineArgs, the same settings `inferlab serve` takes.
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any):

@@ -1,9 +1,11 @@
 """Paged attention on the CPU: write each new token's K/V into its cache slot, then attend
 over the request's blocks.
 
-The KV cache of one layer is a pair of tensors laid out head-major,
+The KV cache of one layer (a `KVCache`, models/kv_cache.py) is a pair of tensors laid out
+head-major, plus one scale per (head, slot) each when they hold int8 codes,
 
     k_cache, v_cache: [num_kv_heads, num_blocks * block_size, head_dim]
+    k_scale, v_scale: [num_kv_heads, num_blocks * block_size]   (int8 only)
 
 so that one KV head's block of block_size tokens is block_size contiguous rows (what the decode
 kernel streams), and gathering a batch of block tables with one `index_select` on dim 1 lands
@@ -44,10 +46,11 @@ import torch
 import torch.nn.functional as F
 
 from inferlab.kernels import build
+from inferlab.models.kv_cache import KVCache, dequantize_kv, write_kv
 
 # Tests set this to False to run the SDPA fallback while the kernels are built.
 USE_DECODE_KERNEL = True
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8)  # int8: codes + scales
 # Queries per SDPA call for prefill on the CPU. Measured on SmolLM2's shapes (9 heads over 3 KV
 # heads of 64, 2 threads): 64 is the best or near it for 256-token prompts and continued chunks.
 CPU_PREFILL_TILE = 64
@@ -167,20 +170,6 @@ def decode_kernel_enabled(dtype: torch.dtype) -> bool:
     return USE_DECODE_KERNEL and dtype in KERNEL_DTYPES and build.available()
 
 
-def allocate_kv_cache(
-    num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int, dtype: torch.dtype, device: str = "cpu"
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (K, V) pair per layer. Zero-filled: padded context positions point at real slots
-    whose contents are masked out, and masked-out NaNs would still poison the output (0 * NaN)."""
-    return [
-        (
-            torch.zeros(num_kv_heads, num_slots, head_dim, dtype=dtype, device=device),
-            torch.zeros(num_kv_heads, num_slots, head_dim, dtype=dtype, device=device),
-        )
-        for _ in range(num_layers)
-    ]
-
-
 def padded_slots_and_mask(
     block_tables: torch.Tensor, block_size: int, starts: torch.Tensor, max_queries: int, max_context: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,18 +190,28 @@ def padded_slots_and_mask(
 
 
 def _gather_context(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """[kvH, S, D] cache, [B, L] slots -> [B, kvH, L, D] (a strided view of one gathered copy)."""
+    """[kvH, S, ...] cache (rows, or an int8 cache's scales), [B, L] slots -> [B, kvH, L, ...]
+    (a strided view of one gathered copy)."""
     b, length = slots.shape
-    g = cache.index_select(1, slots.reshape(-1))  # [kvH, B*L, D]
-    return g.view(cache.shape[0], b, length, cache.shape[2]).transpose(0, 1)
+    g = cache.index_select(1, slots.reshape(-1))  # [kvH, B*L, ...]
+    return g.view(cache.shape[0], b, length, *cache.shape[2:]).transpose(0, 1)
+
+
+def _gathered_rows(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """One of K or V gathered for `slots` in `dtype`: int8 codes dequantized with their scales."""
+    rows = _gather_context(cache, slots)
+    return rows.to(dtype) if scale is None else dequantize_kv(rows, _gather_context(scale, slots), dtype)
 
 
 def decode_attention_sdpa(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
+    scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The fallback (and the tests' reference): q [B, H, D] -> [B, H, D] over gathered contexts."""
-    kd = _gather_context(k_cache, slots).to(q.dtype)
-    vd = _gather_context(v_cache, slots).to(q.dtype)
+    """The fallback (and the tests' reference): q [B, H, D] -> [B, H, D] over gathered contexts.
+    k_scale / v_scale [kvH, slots]: the caches are int8 codes (models/kv_cache.py)."""
+    kd = _gathered_rows(k_cache, k_scale, slots, q.dtype)
+    vd = _gathered_rows(v_cache, v_scale, slots, q.dtype)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.squeeze(2)
 
@@ -225,18 +224,35 @@ def decode_attention_kernel(
     context_lens: torch.Tensor,
     block_size: int,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, H, D] -> [B, H, D], K/V read through the block tables; needs `build.available()`."""
-    return torch.ops.inferlab.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
+    """q [B, H, D] -> [B, H, D], K/V read through the block tables; needs `build.available()`.
+    With k_scale / v_scale the caches are int8 codes, dequantized in registers."""
+    return torch.ops.inferlab.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, block_size, scale,
+                                                     k_scale, v_scale)
 
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
-    """[kvH, S, D] cache, one request's blocks in order -> its positions 0 .. length - 1, as
-    [1, kvH, length, D]: one copy of whole blocks (block_size contiguous rows per index, where
-    a slot table would index every token)."""
-    kvh, slots, d = cache.shape
-    g = cache.view(kvh, slots // block_size, block_size, d).index_select(1, blocks)
-    return g.view(1, kvh, -1, d)[:, :, :length]
+    """[kvH, S, ...] cache (rows, or an int8 cache's scales), one request's blocks in order -> its
+    positions 0 .. length - 1, as [1, kvH, length, ...]: one copy of whole blocks (block_size
+    contiguous rows per index, where a slot table would index every token)."""
+    kvh, slots = cache.shape[:2]
+    rest = cache.shape[2:]
+    g = cache.view(kvh, slots // block_size, block_size, *rest).index_select(1, blocks)
+    return g.view(1, kvh, -1, *rest)[:, :, :length]
+
+
+def gather_kv(cache: KVCache, blocks: torch.Tensor, block_size: int, length: int,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one request's positions 0 .. length - 1, [1, kvH, length, D] in `dtype` (int8
+    codes dequantized): what a continuing prefill chunk or a prefix-cache hit attends over."""
+
+    def one(rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        g = gather_blocks(rows, blocks, block_size, length)
+        return g.to(dtype) if scale is None else dequantize_kv(g, gather_blocks(scale, blocks, block_size, length), dtype)
+
+    return one(cache.k, cache.k_scale), one(cache.v, cache.v_scale)
 
 
 def _run_view(x: torch.Tensor, run: FreshRun) -> torch.Tensor:
@@ -280,8 +296,7 @@ def prefill_attention(
     q: torch.Tensor,  # [T, H, D], the whole flat batch
     k: torch.Tensor,  # [T, kvH, D]: the new keys (also in the cache by now)
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv: KVCache,
     p: PrefillBatch,
     out: torch.Tensor,  # [T, H, D]: the prefill rows are written
     scale: float,
@@ -291,8 +306,8 @@ def prefill_attention(
     batch): no padding to the longest chunk, and fresh prompts read nothing from the cache.
     `bf16_products` (the model's precision decision on the avx512 variant): our flash attention
     with bf16 products instead, continuing chunks read straight from the paged cache."""
-    if bf16_products and q.dtype == torch.float32 and k_cache.dtype in KERNEL_DTYPES:
-        prefill_attention_bf16(q, k, v, k_cache, v_cache, p, out, scale)
+    if bf16_products and q.dtype == torch.float32:
+        prefill_attention_bf16(q, k, v, kv, p, out, scale)
         return
     for run in p.fresh:
         qr, kr, vr, outr = (_run_view(x, run) for x in (q, k, v, out))
@@ -302,8 +317,7 @@ def prefill_attention(
         for chunk, table in zip(p.continuing, p.block_tables):
             n, ctx = chunk.num_tokens, chunk.start + chunk.num_tokens
             blocks = table[: (ctx + p.block_size - 1) // p.block_size]
-            kc = gather_blocks(k_cache, blocks, p.block_size, ctx).to(q.dtype)
-            vc = gather_blocks(v_cache, blocks, p.block_size, ctx).to(q.dtype)
+            kc, vc = gather_kv(kv, blocks, p.block_size, ctx, q.dtype)
             qc = q[chunk.row : chunk.row + n].transpose(0, 1).unsqueeze(0)
             oc = out[chunk.row : chunk.row + n].transpose(0, 1).unsqueeze(0)
             attend_causal(qc, kc, vc, oc, chunk.start, p.tile, p.causal_bias, scale)
@@ -313,15 +327,15 @@ def prefill_attention_bf16(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv: KVCache,
     p: PrefillBatch,
     out: torch.Tensor,
     scale: float,
 ) -> None:
     """`prefill_attention` through kernels/csrc/prefill_attention.cpp: one call per run of fresh
     chunks (the rows as they lie in the flat batch, no transposes or copies) and one per
-    continuing chunk (its context read from the cache blocks in place, no gather)."""
+    continuing chunk (its context read from the cache blocks in place, no gather; an int8 cache
+    is gathered and dequantized first)."""
     ops = torch.ops.inferlab
     for run in p.fresh:
         rows = slice(run.row, run.row + run.count * run.num_tokens)
@@ -332,16 +346,21 @@ def prefill_attention_bf16(
         for chunk, table in zip(p.continuing, p.block_tables):
             ctx = chunk.start + chunk.num_tokens
             rows = slice(chunk.row, chunk.row + chunk.num_tokens)
-            ops.prefill_attention_paged_bf16(q[rows].unsqueeze(0), k_cache, v_cache,
-                                             table[: (ctx + p.block_size - 1) // p.block_size], p.block_size,
-                                             out[rows].unsqueeze(0), chunk.start, scale)
+            blocks = table[: (ctx + p.block_size - 1) // p.block_size]
+            if not kv.quantized:
+                ops.prefill_attention_paged_bf16(q[rows].unsqueeze(0), kv.k, kv.v, blocks, p.block_size,
+                                                 out[rows].unsqueeze(0), chunk.start, scale)
+            else:  # [1, kvH, ctx, D] float32 -> the kernel's [1, ctx, kvH, D] view
+                kc, vc = gather_kv(kv, blocks, p.block_size, ctx, q.dtype)
+                ops.prefill_attention_bf16(q[rows].unsqueeze(0), kc.transpose(1, 2), vc.transpose(1, 2),
+                                           out[rows].unsqueeze(0), chunk.start, scale)
 
 
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, kvH, D]
     v: torch.Tensor,  # [T, kvH, D]
-    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    kv_cache: KVCache,
     meta: AttentionMetadata,
     scale: float,
     kv_written: bool = False,
@@ -349,10 +368,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write k/v into the cache (unless `kv_written`: a fused op already did), attend, return
     [T, H * D]. `bf16_products`: prefill attention multiplies in bf16 (see prefill_attention)."""
-    k_cache, v_cache = kv_cache
-    if not kv_written:  # (the cache may be stored narrower than the activations)
-        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
-        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
+    c = kv_cache
+    if not kv_written:
+        write_kv(c, meta.slot_mapping, k, v)
 
     t, h, d = q.shape
     nd = meta.num_decode_tokens
@@ -361,16 +379,16 @@ def paged_attention(
         g = meta.decode
         if g.slots is None:  # the runner built block tables: decode_kernel_enabled() said yes
             assert g.block_tables is not None and g.context_lens is not None
-            decoded = decode_attention_kernel(q[:nd], k_cache, v_cache, g.block_tables, g.context_lens,
-                                              g.block_size, scale)
+            decoded = decode_attention_kernel(q[:nd], c.k, c.v, g.block_tables, g.context_lens, g.block_size, scale,
+                                              c.k_scale, c.v_scale)
         else:
             assert g.mask is not None
-            decoded = decode_attention_sdpa(q[:nd], k_cache, v_cache, g.slots, g.mask, scale)
+            decoded = decode_attention_sdpa(q[:nd], c.k, c.v, g.slots, g.mask, scale, c.k_scale, c.v_scale)
         if nd == t:  # all decodes (most steps): no copy into a shared output
             return decoded.reshape(t, h * d)
     out = q.new_empty(t, h, d)
     if decoded is not None:
         out[:nd] = decoded
     if meta.prefill is not None:
-        prefill_attention(q, k, v, k_cache, v_cache, meta.prefill, out, scale, bf16_products)
+        prefill_attention(q, k, v, c, meta.prefill, out, scale, bf16_products)
     return out.view(t, h * d)

@@ -20,6 +20,7 @@ from inferlab.config import ModelConfig
 from inferlab.kernels import build as kernels_build
 from inferlab.kernels.linear import MKL_MIN_ROWS, DenseLinear, WeightOnlyLinear, make_linear
 from inferlab.models.attention import AttentionMetadata, paged_attention
+from inferlab.models.kv_cache import KVCache
 from inferlab.models.rope import apply_rope, rope_cache
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ USE_FUSED_OPS = True
 USE_DECODE_STEP = True
 
 Linear = DenseLinear | WeightOnlyLinear
-STEP_CACHE_DTYPES = (torch.float32, torch.float16)  # the K/V caches DecoderStep reads and writes
+STEP_CACHE_DTYPES = (torch.float32, torch.float16, torch.int8)  # the K/V caches DecoderStep reads and writes
 
 
 @dataclass
@@ -179,14 +180,14 @@ class DecoderModel:
         self,
         input_ids: torch.Tensor,  # [T] long
         positions: torch.Tensor,  # [T] long
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[KVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
         g = meta.decode
         t = input_ids.shape[0]
         if (USE_DECODE_STEP and self.step_ok and meta.num_decode_tokens == t and t < MKL_MIN_ROWS
-                and g is not None and g.block_tables is not None and kv_caches[0][0].dtype in STEP_CACHE_DTYPES):
+                and g is not None and g.block_tables is not None and kv_caches[0].dtype in STEP_CACHE_DTYPES):
             # A decode-only step (most steps): every layer in one kernel call. From MKL_MIN_ROWS
             # rows on, the per-operator path's GEMMs are faster than the decode micro-kernel.
             step = self._decode_step(kv_caches, g.block_size)
@@ -223,7 +224,7 @@ class DecoderModel:
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[KVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """`forward` with ~9 operators per layer instead of ~25: at one decode token the
@@ -240,17 +241,16 @@ class DecoderModel:
         # output to bf16 once for the next product: the same roundings as through float32
         # (bitwise), without the conversions (kernels/linear.py product_bf16).
         bf16 = self.bf16_products and t >= MKL_MIN_ROWS
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for layer, cache in zip(self.layers, kv_caches):
             if delta is None:
                 h = self._norm(x, layer.input_norm)
             else:
                 h = ops.add_rms_norm_(x, delta, layer.input_norm, eps, bf16)
             qkv = layer.qkv.product_bf16(h, torch.float32) if bf16 else layer.qkv(h)
-            q, k = ops.rope_write_kv(qkv, positions, self.cos, self.sin, k_cache, v_cache, meta.slot_mapping,
-                                     c.num_heads, c.num_kv_heads, c.head_dim)
+            q, k = ops.rope_write_kv(qkv, positions, self.cos, self.sin, cache.k, cache.v, meta.slot_mapping,
+                                     c.num_heads, c.num_kv_heads, c.head_dim, cache.k_scale, cache.v_scale)
             v = qkv[:, self.q_size + self.kv_size :].view(t, c.num_kv_heads, c.head_dim)  # fresh prompts read it
-            attn = paged_attention(q, k, v, (k_cache, v_cache), meta, self.scale, kv_written=True,
-                                   bf16_products=self.bf16_products)
+            attn = paged_attention(q, k, v, cache, meta, self.scale, kv_written=True, bf16_products=self.bf16_products)
             if bf16:
                 h = ops.add_rms_norm_(x, layer.o.product_bf16(attn), layer.post_norm, eps, True)
                 delta = layer.down.product_bf16(ops.silu_mul(layer.gate_up.product_bf16(h)))
@@ -261,7 +261,7 @@ class DecoderModel:
             return self._norm(x, self.final_norm)
         return ops.add_rms_norm_(x, delta, self.final_norm, eps)
 
-    def _decode_step(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int):
+    def _decode_step(self, kv_caches: list[KVCache], block_size: int):
         """The DecoderStep over these caches, built once (it holds references to the weights and
         the caches, not copies); None, with the reason logged once, for a model it cannot take
         (a head_dim not a multiple of 4, say): those steps stay on the per-operator path."""
@@ -281,11 +281,14 @@ class DecoderModel:
                             none if layer.k_norm is None else layer.k_norm,
                             *lin(layer.o), layer.post_norm, *lin(layer.gate_up), *lin(layer.down)]
             try:
-                self._step = torch.classes.inferlab.DecoderStep(
-                    tensors, self.final_norm, self.cos, self.sin, [k for k, _ in kv_caches],
-                    [v for _, v in kv_caches],
+                step = torch.classes.inferlab.DecoderStep(
+                    tensors, self.final_norm, self.cos, self.sin, [kv.k for kv in kv_caches],
+                    [kv.v for kv in kv_caches],
                     [c.num_heads, c.num_kv_heads, c.head_dim, block_size, int(self.int8_activations)],
                     c.rms_norm_eps, self.scale)
+                if kv_caches[0].quantized:
+                    step.set_kv_scales([kv.k_scale for kv in kv_caches], [kv.v_scale for kv in kv_caches])
+                self._step = step
             except (RuntimeError, ValueError) as e:
                 log.warning("the decode step kernel does not take this model (%s); decode steps run per operator",
                             str(e).splitlines()[0])

@@ -53,6 +53,7 @@ def resolve_dtype(dtype: str, device: str | torch.device = "cpu") -> torch.dtype
 
 
 _WEIGHT_DTYPES = {**_DTYPES, "int8": torch.int8, "w8a8": torch.int8}
+_KV_DTYPES = {**_DTYPES, "int8": torch.int8}  # int8: codes with per-(token, KV head) scales, models/kv_cache.py
 
 
 def _auto_16bit(load_config: LoadConfig) -> bool:
@@ -70,10 +71,12 @@ def resolve_kv_dtype(load_config: LoadConfig, cache_config: CacheConfig) -> torc
     """CacheConfig.cache_dtype -> the K/V cache's dtype. "auto": float16 where "auto" weights are
     float16 (see resolve_weight_dtype): decode attention reads every cached K and V once per
     step, and at 32 sequences of ~300 tokens that was ~18% of a step in float32. Otherwise the
-    compute dtype, so dtype="float32" keeps a float32 cache (the exact-match tests)."""
+    compute dtype, so dtype="float32" keeps a float32 cache (the exact-match tests). "int8":
+    torch.int8, int8 codes with one float32 scale per token and KV head (every reader and writer
+    of the cache takes its format from this one dtype)."""
     if cache_config.cache_dtype == "auto":
         return torch.float16 if _auto_16bit(load_config) else resolve_dtype(load_config.dtype, load_config.device)
-    return _DTYPES[cache_config.cache_dtype]
+    return _KV_DTYPES[cache_config.cache_dtype]
 
 
 def resolve_weight_dtype(load_config: LoadConfig) -> torch.dtype:

@@ -13,7 +13,7 @@ import math
 import sys
 import time
 
-from inferlab.config import WEIGHT_DTYPES
+from inferlab.config import KV_CACHE_DTYPES, WEIGHT_DTYPES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="log-probs kept per token in a saved base (default 1024; the rest as one bin)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--weight-dtype", default="auto", choices=list(WEIGHT_DTYPES))
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
     p.add_argument("--load-format", default="auto", choices=["auto", "gguf", "hf", "dummy"])
     p.add_argument("-t", "--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object (progress on stderr)")

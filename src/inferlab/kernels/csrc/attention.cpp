@@ -7,8 +7,10 @@
 // (GQA), so the memory traffic is the context itself and nothing more.
 //
 //   q            [B, H, D]          float32, or the cache's dtype
-//   k/v_cache    [kvH, slots, D]    float32 / bfloat16 / float16, head-major;
+//   k/v_cache    [kvH, slots, D]    float32 / bfloat16 / float16 / int8 codes, head-major;
 //                                   slot = block_id * block_size + offset
+//   k/v_scale    [kvH, slots]       float32, exactly when the caches are int8 (one scale per
+//                                   token and KV head, models/kv_cache.py); q then float32
 //   block_tables [B, max_blocks]    int32 or int64; row b lists sequence b's blocks in order
 //   context_lens [B]                int32 or int64; positions 0 .. len-1 are attended
 //   -> out       [B, H, D]          q's dtype
@@ -18,7 +20,8 @@
 // exp; pass 2 accumulates the probability-weighted V rows, tile by tile so that each V tile is
 // loaded from memory once and reused from L1 for all G heads. Two passes rather than an online
 // softmax: the buffer is G x context floats (tiny), and the normalisation stays exact.
-// All arithmetic is fp32 whatever the storage (16-bit rows are widened in registers).
+// All arithmetic is fp32 whatever the storage (16-bit rows and int8 codes are widened in
+// registers; an int8 row's scale multiplies its score and its probability, attention.h).
 // Fast paths for head_dim 64 and 128 (loops unrolled at compile time); any other head_dim works.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,20 +30,25 @@
 #include "attention.h"
 
 #include <cstdint>
+#include <optional>
 
 namespace {
 
 using namespace inferlab_attention;  // decode_heads, Scratch, check_tables
 
+// ks / vs: an int8 cache's scales ([kvH, slots] float32), else undefined.
 template <typename T, typename Q>
 void decode_all(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& tables,
-                const at::Tensor& lens, int64_t bs, double scale, at::Tensor& out) {
+                const at::Tensor& lens, int64_t bs, double scale, at::Tensor& out, const at::Tensor& ks = {},
+                const at::Tensor& vs = {}) {
   const int64_t b = q.size(0), h = q.size(1), d = q.size(2);
   const int64_t kvh = kc.size(0), slots = kc.size(1), maxb = tables.size(1);
   const int64_t g_heads = h / kvh;
   const Q* qp = q.data_ptr<Q>();
   const T* kp = kc.data_ptr<T>();
   const T* vp = vc.data_ptr<T>();
+  const float* ksp = ks.defined() ? ks.data_ptr<float>() : nullptr;
+  const float* vsp = vs.defined() ? vs.data_ptr<float>() : nullptr;
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
   Q* op = out.data_ptr<Q>();
@@ -56,7 +64,10 @@ void decode_all(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
       const T* vbase = vp + kh * slots * d;
       const Q* qi = qp + (i * h + kh * g_heads) * d;
       Q* oi = op + (i * h + kh * g_heads) * d;
-      decode_heads<T, Q>(qi, kbase, vbase, tp + i * maxb, lp[i], bs, d, g_heads, static_cast<float>(scale), oi, s);
+      const float* khs = ksp ? ksp + kh * slots : nullptr;
+      const float* vhs = vsp ? vsp + kh * slots : nullptr;
+      decode_heads<T, Q>(qi, kbase, vbase, khs, vhs, tp + i * maxb, lp[i], bs, d, g_heads, static_cast<float>(scale),
+                         oi, s);
     }
   });
 }
@@ -70,9 +81,23 @@ void decode_dispatch_q(const at::Tensor& q, const at::Tensor& kc, const at::Tens
     decode_all<T, T>(q, kc, vc, tables, lens, bs, scale, out);
 }
 
+// An int8 cache's scales: both present, float32, contiguous, [kvH, slots] like the cache's rows.
+void check_scales(const at::Tensor& cache, const std::optional<at::Tensor>& ks, const std::optional<at::Tensor>& vs) {
+  const bool quant = cache.scalar_type() == at::kChar;
+  TORCH_CHECK_VALUE(quant == (ks.has_value() && ks->defined()) && quant == (vs.has_value() && vs->defined()),
+                    "paged_attention_decode: k_scale and v_scale are given exactly when the caches are int8");
+  if (!quant) return;
+  for (const at::Tensor& t : {*ks, *vs})
+    TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu() && t.dim() == 2 &&
+                          t.size(0) == cache.size(0) && t.size(1) == cache.size(1),
+                      "paged_attention_decode: the scales must be contiguous float32 [kvH, slots] = ",
+                      cache.sizes().slice(0, 2), ", got ", t.scalar_type(), " ", t.sizes());
+}
+
 at::Tensor paged_attention_decode(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables_in, const at::Tensor& context_lens_in,
-                                  int64_t block_size, double scale) {
+                                  int64_t block_size, double scale, const std::optional<at::Tensor>& k_scale,
+                                  const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK_VALUE(q_in.dim() == 3, "paged_attention_decode: q must be [B, H, D], got ", q_in.sizes());
   TORCH_CHECK_VALUE(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
                     "paged_attention_decode: k_cache and v_cache must both be [kvH, slots, D]; got ",
@@ -82,12 +107,14 @@ at::Tensor paged_attention_decode(const at::Tensor& q_in, const at::Tensor& k_ca
   TORCH_CHECK_VALUE(q_in.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
                     "paged_attention_decode: CPU tensors only");
   const auto dt = k_cache.scalar_type();
-  TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
-                    "paged_attention_decode: cache dtype ", dt, " is not float32, bfloat16 or float16");
+  TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf || dt == at::kChar,
+                    "paged_attention_decode: cache dtype ", dt, " is not float32, bfloat16, float16 or int8");
   TORCH_CHECK_VALUE(v_cache.scalar_type() == dt, "paged_attention_decode: k_cache and v_cache must share one dtype");
-  TORCH_CHECK_VALUE(q_in.scalar_type() == dt || q_in.scalar_type() == at::kFloat,
-                    "paged_attention_decode: q must be float32 or the cache's dtype (", dt, "), got ",
+  TORCH_CHECK_VALUE(q_in.scalar_type() == at::kFloat || (q_in.scalar_type() == dt && dt != at::kChar),
+                    "paged_attention_decode: q must be float32 or the cache's dtype (", dt,
+                    "; float32 for an int8 cache), got ",
                     q_in.scalar_type());
+  check_scales(k_cache, k_scale, v_scale);
   const int64_t b = q_in.size(0), h = q_in.size(1), d = q_in.size(2), kvh = k_cache.size(0);
   TORCH_CHECK_VALUE(k_cache.size(2) == d, "paged_attention_decode: head_dim of q (", d, ") and the cache (",
                     k_cache.size(2), ") differ");
@@ -121,6 +148,8 @@ at::Tensor paged_attention_decode(const at::Tensor& q_in, const at::Tensor& k_ca
   }
   if (dt == at::kFloat)
     decode_all<float, float>(q, k_cache, v_cache, tables, lens, block_size, scale, out);
+  else if (dt == at::kChar)
+    decode_all<int8_t, float>(q, k_cache, v_cache, tables, lens, block_size, scale, out, *k_scale, *v_scale);
   else if (dt == at::kBFloat16)
     decode_dispatch_q<c10::BFloat16>(q, k_cache, v_cache, tables, lens, block_size, scale, out);
   else
@@ -133,7 +162,7 @@ at::Tensor paged_attention_decode(const at::Tensor& q_in, const at::Tensor& k_ca
 TORCH_LIBRARY_FRAGMENT(inferlab, m) {
   m.def(
       "paged_attention_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor context_lens, int block_size, float scale) -> Tensor");
+      "Tensor context_lens, int block_size, float scale, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(inferlab, CPU, m) { m.impl("paged_attention_decode", &paged_attention_decode); }

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace inferlab_attention {
@@ -128,12 +129,18 @@ struct Scratch {
   std::vector<float> qf;       // [G][D] scaled query, fp32
   std::vector<float> acc;      // [G][D]
   std::vector<float> inv;      // [G] 1 / softmax denominator
+  std::vector<float> ksc, vsc; // int8 caches: each visited row's K and V scale, in visiting order
 };
 
 // One (sequence, KV head): T is the cache's element type, Q the query's and output's.
+// T = int8_t: kc / vc are codes and ks / vs this head's scales, one per slot (models/kv_cache.py);
+// a row is dequantized in registers by folding its scale into the dot product (score =
+// k_scale * (q . codes)) and into the probability that weights it (p * v_scale), so the inner
+// loops are the float ones on widened codes. Other T: ks / vs are unused (null).
 template <typename T, typename Q, int DC>
-void decode_task(const Q* q, const T* kc, const T* vc, const int32_t* table, int64_t len, int64_t bs, int64_t d,
-                 int64_t g_heads, float scale, Q* out, Scratch& s) {
+void decode_task(const Q* q, const T* kc, const T* vc, const float* ks, const float* vs, const int32_t* table,
+                 int64_t len, int64_t bs, int64_t d, int64_t g_heads, float scale, Q* out, Scratch& s) {
+  constexpr bool kQuant = std::is_same_v<T, int8_t>;
   const int64_t lp = (len + 7) / 8 * 8;
   s.offs.resize(lp);
   s.scores.resize(g_heads * lp);
@@ -153,6 +160,16 @@ void decode_task(const Q* q, const T* kc, const T* vc, const int32_t* table, int
   for (int64_t i = 0; i < seg; ++i)
     for (int64_t p = i; p < len; p += seg) offs[k++] = lin[p];
   for (int64_t t = len; t < lp; ++t) offs[t] = offs[len - 1];  // padding re-reads the last row
+  if constexpr (kQuant) {
+    s.ksc.resize(lp);
+    s.vsc.resize(lp);
+    const int64_t nd = DC > 0 ? DC : d;
+    for (int64_t t = 0; t < lp; ++t) {
+      const int64_t slot = offs[t] / nd;
+      s.ksc[t] = ks[slot];
+      s.vsc[t] = vs[slot];
+    }
+  }
   for (int64_t i = 0; i < g_heads * d; ++i) s.qf[i] = to_float(q[i]) * scale;
 
   // Pass 1: scores[g][t] = (scale q_g) . k_t  (t in visiting order)
@@ -162,8 +179,15 @@ void decode_task(const Q* q, const T* kc, const T* vc, const int32_t* table, int
     for (int j = 0; j < 8; ++j) rows[j] = kc + offs[t0 + j];
     if (t0 + 16 < lp)
       for (int j = 0; j < 8; ++j) prefetch_row(kc + offs[t0 + 16 + j], d);
-    for (int64_t g = 0; g < g_heads; ++g)
-      _mm256_storeu_ps(sc + g * lp + t0, dot8<T, DC>(s.qf.data() + g * d, rows, static_cast<int>(d)));
+    if constexpr (kQuant) {
+      const __m256 kscale = _mm256_loadu_ps(s.ksc.data() + t0);
+      for (int64_t g = 0; g < g_heads; ++g)
+        _mm256_storeu_ps(sc + g * lp + t0,
+                         _mm256_mul_ps(kscale, dot8<T, DC>(s.qf.data() + g * d, rows, static_cast<int>(d))));
+    } else {
+      for (int64_t g = 0; g < g_heads; ++g)
+        _mm256_storeu_ps(sc + g * lp + t0, dot8<T, DC>(s.qf.data() + g * d, rows, static_cast<int>(d)));
+    }
   }
 
   // Softmax per head over the len valid scores (the padding lanes are zeroed).
@@ -190,6 +214,9 @@ void decode_task(const Q* q, const T* kc, const T* vc, const int32_t* table, int
       sv = _mm256_add_ps(sv, e);
     }
     inv[g] = 1.0f / hsum(sv);
+    if constexpr (kQuant)  // each probability carries its V row's scale into pass 2 (padding lanes stay 0)
+      for (int64_t t = 0; t < lp; t += 8)
+        _mm256_storeu_ps(r + t, _mm256_mul_ps(_mm256_loadu_ps(r + t), _mm256_loadu_ps(s.vsc.data() + t)));
   }
 
   // Pass 2: acc[g] = sum_t p[g][t] v_t, a tile of V rows at a time, reused for every head.
@@ -206,15 +233,16 @@ void decode_task(const Q* q, const T* kc, const T* vc, const int32_t* table, int
 }
 
 // decode_task with head_dim 64 and 128 unrolled at compile time; any other head_dim works.
+// ks / vs: an int8 cache's scales for this head (see decode_task), else null.
 template <typename T, typename Q>
-inline void decode_heads(const Q* q, const T* kc, const T* vc, const int32_t* table, int64_t len, int64_t bs,
-                         int64_t d, int64_t g_heads, float scale, Q* out, Scratch& s) {
+inline void decode_heads(const Q* q, const T* kc, const T* vc, const float* ks, const float* vs, const int32_t* table,
+                         int64_t len, int64_t bs, int64_t d, int64_t g_heads, float scale, Q* out, Scratch& s) {
   if (d == 64)
-    decode_task<T, Q, 64>(q, kc, vc, table, len, bs, d, g_heads, scale, out, s);
+    decode_task<T, Q, 64>(q, kc, vc, ks, vs, table, len, bs, d, g_heads, scale, out, s);
   else if (d == 128)
-    decode_task<T, Q, 128>(q, kc, vc, table, len, bs, d, g_heads, scale, out, s);
+    decode_task<T, Q, 128>(q, kc, vc, ks, vs, table, len, bs, d, g_heads, scale, out, s);
   else
-    decode_task<T, Q, 0>(q, kc, vc, table, len, bs, d, g_heads, scale, out, s);
+    decode_task<T, Q, 0>(q, kc, vc, ks, vs, table, len, bs, d, g_heads, scale, out, s);
 }
 
 // Every context length and every block a context uses, checked once before the threads start

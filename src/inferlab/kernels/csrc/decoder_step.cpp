@@ -28,7 +28,9 @@
 //   layer_tensors: 13 per layer, in order: input_norm, qkv_w, qkv_scale, qkv_bias, q_norm, k_norm,
 //     o_w, o_scale, post_norm, gate_up_w, gate_up_scale, down_w, down_scale; an empty tensor
 //     (numel 0) for one the model does not have. Weights: one dtype for all (float32, float16,
-//     bfloat16, or int8 with float32 per-row scales). Caches: float32 or float16 [kvH, slots, D].
+//     bfloat16, or int8 with float32 per-row scales). Caches: float32, float16 or int8 [kvH, slots, D];
+//     int8 caches also need .set_kv_scales(k_scales, v_scales) (one [kvH, slots] float32 tensor per
+//     layer each: models/kv_cache.py's format, quantized per row on write, rows.h).
 // .forward(x [M, hidden] float32 (the token embeddings; used as the residual stream and
 //          overwritten), positions [M] int64, slots [M] int64, block_tables [M, max_blocks] int32,
 //          context_lens [M] int32) -> [M, hidden], the final norm's output.
@@ -52,7 +54,7 @@
 namespace {
 
 using namespace inferlab_matvec;  // row_products, kRowsW
-using namespace inferlab_rows;    // rms_norm_row, rope_row, silu_mul_row, store_row
+using namespace inferlab_rows;    // rms_norm_row, rope_row, silu_mul_row, store_kv_row
 
 // Tasks per thread in a phase of column chunks: few, so that each task streams one long run of
 // weight rows (the prefetch restarts at every task), but more than one, so that a thread that
@@ -168,10 +170,11 @@ class DecoderStep : public torch::CustomClassHolder {
                         "DecoderStep: every linear weight must have the same dtype");
       const at::Tensor& kc = k_caches_[l];
       const at::Tensor& vc = v_caches_[l];
-      TORCH_CHECK_VALUE((kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kHalf) &&
+      TORCH_CHECK_VALUE((kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kHalf ||
+                         kc.scalar_type() == at::kChar) &&
                             vc.scalar_type() == kc.scalar_type() && kc.scalar_type() == cache_dtype_ &&
                             kc.is_contiguous() && vc.is_contiguous() && kc.device().is_cpu() && vc.device().is_cpu(),
-                        "DecoderStep: caches must be contiguous float32 or float16 CPU tensors, all of one dtype");
+                        "DecoderStep: caches must be contiguous float32, float16 or int8 CPU tensors, all of one dtype");
       TORCH_CHECK_VALUE(kc.dim() == 3 && kc.size(0) == kv_heads_ && kc.size(2) == head_dim_ &&
                             vc.sizes() == kc.sizes() && kc.size(1) % block_size_ == 0,
                         "DecoderStep: caches must be [kvH, slots, D] with slots a multiple of block_size");
@@ -205,6 +208,8 @@ class DecoderStep : public torch::CustomClassHolder {
                         num_slots, ")");
     }
     inferlab_attention::check_tables<int32_t>(block_tables, context_lens, block_size_, num_slots, "DecoderStep");
+    TORCH_CHECK_VALUE(cache_dtype_ != at::kChar || !k_scales_.empty(),
+                      "DecoderStep: an int8 K/V cache needs its scales (set_kv_scales) before forward");
     at::Tensor out = at::empty_like(x);
     switch (weight_dtype_) {
       case at::kFloat: run_cache<float>(x, positions, slots, block_tables, context_lens, out); break;
@@ -214,6 +219,20 @@ class DecoderStep : public torch::CustomClassHolder {
       default: TORCH_CHECK_VALUE(false, "DecoderStep: unsupported weight dtype ", weight_dtype_);
     }
     return out;
+  }
+
+  // An int8 cache's scales, one [kvH, slots] float32 tensor per layer for K and for V (held, not copied).
+  void set_kv_scales(std::vector<at::Tensor> k_scales, std::vector<at::Tensor> v_scales) {
+    TORCH_CHECK_VALUE(cache_dtype_ == at::kChar, "DecoderStep: only an int8 K/V cache has scales");
+    TORCH_CHECK_VALUE(k_scales.size() == k_caches_.size() && v_scales.size() == k_caches_.size(),
+                      "DecoderStep: one K and one V scale tensor per layer");
+    for (size_t l = 0; l < k_scales.size(); ++l)
+      for (const at::Tensor& t : {k_scales[l], v_scales[l]})
+        TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu() &&
+                              t.dim() == 2 && t.size(0) == kv_heads_ && t.size(1) == k_caches_[l].size(1),
+                          "DecoderStep: scales must be contiguous float32 [kvH, slots] CPU tensors");
+    k_scales_ = std::move(k_scales);
+    v_scales_ = std::move(v_scales);
   }
 
   // Per-phase seconds summed over the steps run since profiling was turned on (benchmarks/
@@ -314,6 +333,7 @@ class DecoderStep : public torch::CustomClassHolder {
   void run_cache(at::Tensor& x, const at::Tensor& pos, const at::Tensor& slots, const at::Tensor& tables,
                  const at::Tensor& lens, at::Tensor& out) const {
     if (cache_dtype_ == at::kHalf) run<T, at::Half>(x, pos, slots, tables, lens, out);
+    else if (cache_dtype_ == at::kChar) run<T, int8_t>(x, pos, slots, tables, lens, out);
     else run<T, float>(x, pos, slots, tables, lens, out);
   }
 
@@ -360,6 +380,8 @@ class DecoderStep : public torch::CustomClassHolder {
         const Layer& ly = layers_[l];
         C* kc = k_caches_[l].data_ptr<C>();
         C* vc = v_caches_[l].data_ptr<C>();
+        float* ksc = k_scales_.empty() ? nullptr : k_scales_[l].data_ptr<float>();  // int8 caches only
+        float* vsc = v_scales_.empty() ? nullptr : v_scales_[l].data_ptr<float>();
         clock.mark(kQkv);
         const float* hn = norm_rows(x, ly.input_norm, m, hbuf, wk);
 
@@ -378,9 +400,11 @@ class DecoderStep : public torch::CustomClassHolder {
               rope_row(row, c, s, q + (i * h + hh) * d, d);
             } else if (hh < h + kvh) {
               rope_row(row, c, s, wk.rot.data(), d);
-              store_row(wk.rot.data(), kc + ((hh - h) * num_slots + slots[i]) * d, d);
+              const int64_t srow = (hh - h) * num_slots + slots[i];
+              store_kv_row(wk.rot.data(), kc + srow * d, ksc ? ksc + srow : nullptr, d);
             } else {
-              store_row(row, vc + ((hh - h - kvh) * num_slots + slots[i]) * d, d);
+              const int64_t srow = (hh - h - kvh) * num_slots + slots[i];
+              store_kv_row(row, vc + srow * d, vsc ? vsc + srow : nullptr, d);
             }
           }
         }
@@ -391,8 +415,10 @@ class DecoderStep : public torch::CustomClassHolder {
           const int64_t i = task / kvh, kh = task % kvh;
           const int64_t off = (i * h + kh * g) * d;
           inferlab_attention::decode_heads<C, float>(q + off, kc + kh * num_slots * d, vc + kh * num_slots * d,
-                                                         tables + i * max_blocks, lens[i], block_size_, d, g,
-                                                         attn_scale_, attn + off, wk.attn);
+                                                     ksc ? ksc + kh * num_slots : nullptr,
+                                                     vsc ? vsc + kh * num_slots : nullptr,
+                                                     tables + i * max_blocks, lens[i], block_size_, d, g,
+                                                     attn_scale_, attn + off, wk.attn);
         }
 
         clock.mark(kO);
@@ -430,6 +456,7 @@ class DecoderStep : public torch::CustomClassHolder {
   mutable std::array<double, kPhases> phase_seconds_{};  // written by run() when profiling_
   at::Tensor final_norm_, cos_, sin_;
   std::vector<at::Tensor> k_caches_, v_caches_;
+  std::vector<at::Tensor> k_scales_, v_scales_;  // int8 caches only (set_kv_scales)
   int64_t heads_ = 0, kv_heads_ = 0, head_dim_ = 0, block_size_ = 0, hidden_ = 0;
   float eps_, attn_scale_;
   at::ScalarType weight_dtype_ = at::kFloat, cache_dtype_ = at::kFloat;
@@ -442,6 +469,7 @@ TORCH_LIBRARY_FRAGMENT(inferlab, m) {
       .def(torch::init<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<int64_t>, double, double>())
       .def("set_profiling", &DecoderStep::set_profiling)
+      .def("set_kv_scales", &DecoderStep::set_kv_scales)
       .def("phase_seconds", &DecoderStep::phase_seconds)
       .def("forward", &DecoderStep::forward, "",
            {torch::arg("x"), torch::arg("positions"), torch::arg("slots"), torch::arg("block_tables"),

@@ -2,9 +2,10 @@
 // (and their dispatch, which dominates a small decode step on a CPU) with one pass over memory.
 //
 //   add_rms_norm_(x, residual, weight, eps) -> out     x += residual; out = rms_norm(x) * weight
-//   rope_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slots, H, kvH, D) -> (q, k)
+//   rope_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slots, H, kvH, D[, k_scale, v_scale]) -> (q, k)
 //       rotate q and k of each token (rotate-half layout), write k and v into the paged cache
-//       at `slots` ([kvH, num_slots, D] caches of float32, float16 or bfloat16), return the
+//       at `slots` ([kvH, num_slots, D] caches of float32, float16 or bfloat16, or int8 codes
+//       with their [kvH, num_slots] float32 scales, quantized per row as rows.h says), return the
 //       rotated q [T, H, D] and k [T, kvH, D] (float32)
 //       (a fresh prompt attends to its own k and v without reading the cache back)
 //   silu_mul(x) -> out                                 x = [gate | up] -> silu(gate) * up
@@ -18,12 +19,13 @@
 
 #include "rows.h"
 
+#include <optional>
 #include <tuple>
 #include <vector>
 
 namespace {
 
-using namespace inferlab_rows;  // rms_norm_row, rope_row, silu_mul_row, store_row
+using namespace inferlab_rows;  // rms_norm_row, rope_row, silu_mul_row, store_kv_row
 
 void check_f32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
@@ -71,13 +73,17 @@ at::Tensor add_rms_norm_(at::Tensor x, const at::Tensor& residual, const at::Ten
 
 std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                          const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                         const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   check_f32(qkv, "qkv");
   check_f32(cos, "cos");
   check_f32(sin, "sin");
   const auto cdt = k_cache.scalar_type();
-  TORCH_CHECK(cdt == at::kFloat || cdt == at::kHalf || cdt == at::kBFloat16,
-              "k_cache must be float32, float16 or bfloat16, got ", cdt);
+  TORCH_CHECK(cdt == at::kFloat || cdt == at::kHalf || cdt == at::kBFloat16 || cdt == at::kChar,
+              "k_cache must be float32, float16, bfloat16 or int8, got ", cdt);
+  const bool quant = cdt == at::kChar;
+  TORCH_CHECK(quant == (k_scale.has_value() && k_scale->defined()) && quant == (v_scale.has_value() && v_scale->defined()),
+              "k_scale and v_scale are given exactly when the caches are int8");
   TORCH_CHECK(v_cache.scalar_type() == cdt, "k_cache and v_cache must share one dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
   TORCH_CHECK(head_dim % 2 == 0, "head_dim must be even");
@@ -90,6 +96,11 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(0) == num_kv_heads && k_cache.size(2) == head_dim &&
                   v_cache.sizes() == k_cache.sizes(),
               "caches must be [kvH, num_slots, D]");
+  if (quant)
+    for (const at::Tensor& sc : {*k_scale, *v_scale})
+      TORCH_CHECK(sc.scalar_type() == at::kFloat && sc.is_contiguous() && sc.dim() == 2 &&
+                      sc.size(0) == num_kv_heads && sc.size(1) == k_cache.size(1),
+                  "the scales must be contiguous float32 [kvH, num_slots]");
   const at::Tensor pos = positions.contiguous(), sl = slots.contiguous();
   const int64_t* pp = pos.data_ptr<int64_t>();
   const int64_t* sp = sl.data_ptr<int64_t>();
@@ -106,6 +117,8 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at
   float* qp = q.data_ptr<float>();
   float* kp = k.data_ptr<float>();
   const int64_t d = head_dim;
+  float* ksc = quant ? k_scale->data_ptr<float>() : nullptr;
+  float* vsc = quant ? v_scale->data_ptr<float>() : nullptr;
   auto write = [&](auto* kc, auto* vc) {
     at::parallel_for(0, t, 8, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
@@ -116,11 +129,11 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at
         const float* krow = row + num_heads * d;
         const float* vrow = krow + num_kv_heads * d;
         for (int64_t h = 0; h < num_kv_heads; ++h) {
-          const int64_t off = (h * num_slots + sp[i]) * d;
+          const int64_t srow = h * num_slots + sp[i], off = srow * d;
           float* kout = kp + (i * num_kv_heads + h) * d;
           rope_row(krow + h * d, c, s, kout, d);
-          store_row(kout, kc + off, d);
-          store_row(vrow + h * d, vc + off, d);
+          store_kv_row(kout, kc + off, ksc ? ksc + srow : nullptr, d);
+          store_kv_row(vrow + h * d, vc + off, vsc ? vsc + srow : nullptr, d);
         }
       }
     });
@@ -129,6 +142,8 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at
     write(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
   else if (cdt == at::kHalf)
     write(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>());
+  else if (cdt == at::kChar)
+    write(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
   else
     write(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
   return {q, k};
@@ -176,7 +191,8 @@ at::Tensor silu_mul(const at::Tensor& x) {
 TORCH_LIBRARY_FRAGMENT(inferlab, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor residual, Tensor weight, float eps, bool bf16_out=False) -> Tensor");
   m.def("rope_write_kv(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
-        "Tensor(b!) v_cache, Tensor slots, int num_heads, int num_kv_heads, int head_dim) -> (Tensor, Tensor)");
+        "Tensor(b!) v_cache, Tensor slots, int num_heads, int num_kv_heads, int head_dim, "
+        "Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor x) -> Tensor");
 }
 
