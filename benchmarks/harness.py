@@ -1,5 +1,5 @@
 """What the benchmark scripts share: a server process on a free loopback port, started in its
-own process group, waited for, and always stopped.
+own process group, waited for, and always stopped; and how busy the rest of the machine was.
 
     with served(["inferlab", "serve", "--port", str(port)], f"http://127.0.0.1:{port}", log) as srv: ...
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -107,3 +108,53 @@ def served(argv: Sequence[str], base_url: str, log_path: Path, *, env: Mapping[s
             yield RunningServer(base_url, proc, ready, log_path)
         finally:
             stop_group(proc)
+
+
+class CpuWatch:
+    """The share of the machine's CPU that *other* processes took while we measured.
+
+    The 1-minute load average lags and counts our own server, so it cannot tell a quiet run from
+    a disturbed one; CPU time can: all busy time (/proc/stat) less this script and its finished
+    children (the bench client) and less the server's process group (vLLM's engine is a child).
+    """
+
+    def __init__(self, server_pgid: int | None = None) -> None:
+        self.pgid = server_pgid
+        self.tick = os.sysconf("SC_CLK_TCK")
+
+    def _busy_s(self) -> float:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return (sum(v[:8]) - v[3] - v[4]) / self.tick  # less idle and iowait
+
+    @staticmethod
+    def _ours_s() -> float:
+        return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                      resource.getrusage(resource.RUSAGE_CHILDREN)))  # fmt: skip
+
+    def _server_s(self) -> float:
+        if self.pgid is None:
+            return 0.0
+        total = 0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == self.pgid:  # pgrp
+                total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+        return total / self.tick
+
+    def __enter__(self) -> CpuWatch:
+        self.t0, self.busy0 = time.monotonic(), self._busy_s()
+        self.ours0, self.server0 = self._ours_s(), self._server_s()
+        self.load_before = os.getloadavg()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall_s = max(time.monotonic() - self.t0, 1e-9)
+        self.load_after = os.getloadavg()
+        self.client_cores = (self._ours_s() - self.ours0) / self.wall_s
+        self.server_cores = (self._server_s() - self.server0) / self.wall_s
+        other = (self._busy_s() - self.busy0) / self.wall_s - self.client_cores - self.server_cores
+        self.other_share = max(other, 0.0) / (os.cpu_count() or 1)

@@ -22,14 +22,13 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
-from harness import free_port
+from harness import free_port, served
 
 TOPICS = ["a lighthouse", "a lost key", "the tide", "a train at night", "an old map", "a small robot",
           "a garden in winter", "a letter never sent"]  # fmt: skip
@@ -90,30 +89,18 @@ async def _http_load(base: str, prompts: list[str], max_tokens: int) -> tuple[in
         return sum(counts), time.perf_counter() - start
 
 
-class Http:
-    """`inferlab serve` in a subprocess, started once; `run()` times N concurrent streams."""
+def server_command(port: int, model: str | None, num_prompts: int, args) -> list[str]:
+    cmd = [sys.executable, "-m", "inferlab.cli", "serve", "--port", str(port), "--dtype", args.dtype,
+           "--max-num-seqs", str(max(num_prompts, 1)), "--max-model-len", str(args.max_model_len),
+           "--log-level", "warning", "--no-prefix-caching"]  # fmt: skip
+    return cmd + (["--model", model] if model is not None else [])
 
-    def __init__(self, model: str | None, prompts: list[str], max_tokens: int, args) -> None:
-        port = free_port()
-        cmd = [sys.executable, "-m", "inferlab.cli", "serve", "--port", str(port), "--dtype", args.dtype,
-               "--max-num-seqs", str(max(len(prompts), 1)), "--max-model-len", str(args.max_model_len),
-               "--log-level", "warning", "--no-prefix-caching"]  # fmt: skip
-        if model is not None:
-            cmd += ["--model", model]
-        self.server = subprocess.Popen(cmd)
-        self.base = f"http://127.0.0.1:{port}"
-        self.prompts, self.max_tokens = prompts, max_tokens
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if self.server.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError("the server did not start")
-            time.sleep(0.5)
+
+class Http:
+    """N concurrent streams against the server at `base`; `run()` times them."""
+
+    def __init__(self, base: str, prompts: list[str], max_tokens: int) -> None:
+        self.base, self.prompts, self.max_tokens = base, prompts, max_tokens
 
     def run(self) -> float:
         tokens, elapsed = asyncio.run(_http_load(self.base, self.prompts, self.max_tokens))
@@ -121,10 +108,6 @@ class Http:
         if tokens != len(self.prompts) * self.max_tokens:
             raise RuntimeError(f"expected {len(self.prompts) * self.max_tokens} tokens over HTTP, got {tokens}")
         return tokens / elapsed
-
-    def close(self) -> None:
-        self.server.terminate()
-        self.server.wait(60)
 
 
 def main() -> int:
@@ -137,34 +120,32 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3, help="runs of each side, A B B A order (default 3)")
     args = p.parse_args()
     model = args.model
-    tmp = None
+    tmp = tempfile.TemporaryDirectory()
     if model == "tiny":
         from inferlab.models.testing import make_tiny_hf_model
 
-        tmp = tempfile.TemporaryDirectory()
         model = str(make_tiny_hf_model(Path(tmp.name) / "tiny", arch="llama"))
     prompts = make_prompts(args.num_requests)
     print(f"workload: {len(prompts)} requests x {args.max_tokens} output tokens, model {args.model or 'default'}, "
           f"{os.cpu_count()} CPUs")  # fmt: skip
     offline = Offline(model, prompts, args.max_tokens, args)
-    http = Http(model, prompts, args.max_tokens, args)
     results: dict[str, list[float]] = {"offline": [], "http": []}
-    try:
+    port = free_port()
+    cmd = server_command(port, model, len(prompts), args)
+    with served(cmd, f"http://127.0.0.1:{port}", Path(tmp.name) / "server.log") as server:
+        http = Http(server.base_url, prompts, args.max_tokens)
         # A B B A ...: each pair reverses the last, so a drift in the machine's speed hits both.
         for i in range(args.repeats):
             order = ("offline", "http") if i % 2 == 0 else ("http", "offline")
             for side in order:
                 results[side].append((offline if side == "offline" else http).run())
-    finally:
-        http.close()
     off, web = (statistics.median(results[k]) for k in ("offline", "http"))
     ratio = web / off
     verdict = "meets" if ratio >= 0.85 else "misses"
     print(f"medians over {args.repeats} runs each: offline {off:.1f} tok/s, http {web:.1f} tok/s")
     print(f"ratio http/offline = {ratio:.3f} ({verdict} the 0.85 target); per pair: "
           + ", ".join(f"{h / o:.3f}" for o, h in zip(results["offline"], results["http"])))
-    if tmp is not None:
-        tmp.cleanup()
+    tmp.cleanup()
     return 0
 
 

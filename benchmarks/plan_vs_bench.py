@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
+from harness import CpuWatch, free_port, served
 
 TARGET = 0.25  # |predicted / measured − 1| the simulator aims at after calibration
 
@@ -69,58 +68,6 @@ def wait_for_quiet(threshold: float, max_wait_s: float) -> float:
     return load_avg()
 
 
-class CpuWatch:
-    """The share of this machine's CPU that *other* processes used while we measured.
-
-    The load average lags by a minute and counts our own server, so it cannot tell a quiet
-    run from a disturbed one; CPU time can: all busy time (/proc/stat) less ours (this script,
-    its finished children such as `inferlab bench`, and the live server's /proc/PID/stat).
-    """
-
-    def __init__(self, server_pid: int | None = None) -> None:
-        self.server_pid = server_pid
-        self.tick = os.sysconf("SC_CLK_TCK")
-
-    def _busy_s(self) -> float:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        idle = v[3] + (v[4] if len(v) > 4 else 0)  # idle + iowait
-        return (sum(v[:8]) - idle) / self.tick
-
-    def _clients_s(self) -> float:
-        """This script and its finished children (`inferlab bench`, the load generator)."""
-        import resource
-
-        t = 0.0
-        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
-            r = resource.getrusage(who)
-            t += r.ru_utime + r.ru_stime
-        return t
-
-    def _server_s(self) -> float:
-        if self.server_pid is None:
-            return 0.0
-        try:
-            with open(f"/proc/{self.server_pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / self.tick  # utime, stime of all its threads
-        except OSError:
-            return 0.0
-
-    def __enter__(self) -> CpuWatch:
-        self.t0, self.busy0 = time.monotonic(), self._busy_s()
-        self.clients0, self.server0 = self._clients_s(), self._server_s()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.wall_s = max(time.monotonic() - self.t0, 1e-9)
-        cores = os.cpu_count() or 1
-        self.client_cores = (self._clients_s() - self.clients0) / self.wall_s
-        self.server_cores = (self._server_s() - self.server0) / self.wall_s
-        other = (self._busy_s() - self.busy0) / self.wall_s - self.client_cores - self.server_cores
-        self.other_share = max(other, 0.0) / cores
-
-
 class Log:
     """Prints and keeps every command and measurement line for the Markdown report."""
 
@@ -145,43 +92,12 @@ def run(cmd: list[str], log: Log, capture: bool = False) -> str:
     return res.stdout or ""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(port: int, args: argparse.Namespace, log: Log) -> subprocess.Popen:
+def server_command(port: int, args: argparse.Namespace) -> list[str]:
     # float32 weights, as the plan side assumes (`--weight-dtype fp32`) and as the results were
     # measured: since the CPU kernels, `serve` would store float16 on an AVX2 machine.
     cmd = inferlab("serve", "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(args.max_num_seqs),
                    "--log-level", "warning", "--weight-dtype", "float32")
-    if args.model:
-        cmd += ["--model", args.model]
-    log.cmd(cmd)
-    server = subprocess.Popen(cmd)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        if server.poll() is not None or time.monotonic() > deadline:
-            stop_server(server)
-            raise RuntimeError("the server did not start")
-        time.sleep(0.5)
-
-
-def stop_server(server: subprocess.Popen) -> None:
-    if server.poll() is None:
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(10)
+    return cmd + (["--model", args.model] if args.model else [])
 
 
 def model_path(model: str | None) -> str:
@@ -207,9 +123,10 @@ def measure(args: argparse.Namespace, work: Path, log: Log) -> dict[int, list[di
     (up to --retries), and the least disturbed attempt is kept.
     """
     port = free_port()
-    server = start_server(port, args, log)
+    cmd = server_command(port, args)
+    log.cmd(cmd)
     out: dict[int, list[dict]] = {}
-    try:
+    with served(cmd, f"http://127.0.0.1:{port}", work / "server.log", timeout_s=300) as server:
         # Round-robin over the levels: the machine's speed drifts over minutes, and each level
         # should see the same mix of fast and slow moments.
         for rep, c in ((r, c) for r in range(args.repeats) for c in args.concurrency):
@@ -222,12 +139,12 @@ def measure(args: argparse.Namespace, work: Path, log: Log) -> dict[int, list[di
                            "--seed", str(100 * c + rep), "--result-file", str(path))
             for attempt in range(1 + args.retries):
                 la = wait_for_quiet(args.quiet_load, args.max_wait)
-                with CpuWatch(server.pid) as watch:
+                with CpuWatch(server.proc.pid) as watch:
                     run(cmd, log, capture=True)
                 summary = json.loads(path.read_text())["runs"][0]["summary"]
                 disturbed = watch.other_share > args.max_other
                 log.note(f"measured c={c}, run {rep + 1} (attempt {attempt + 1}): {watch.wall_s:.0f} s, load average {la:.2f} "
-                         f"before, {load_avg():.2f} after; other processes used {watch.other_share:.0%} of the CPU"
+                         f"before, {watch.load_after[0]:.2f} after; other processes used {watch.other_share:.0%} of the CPU"
                          + (" — disturbed" if disturbed else "")
                          + f"; the server used {watch.server_cores:.2f} cores, the bench client "
                          f"{watch.client_cores:.2f}; output {summary['output_throughput']:.1f} tok/s, median ITL "
@@ -237,8 +154,6 @@ def measure(args: argparse.Namespace, work: Path, log: Log) -> dict[int, list[di
                 if not disturbed:
                     break
             out.setdefault(c, []).append(best[1])
-    finally:
-        stop_server(server)
     return out
 
 
@@ -360,7 +275,7 @@ def main() -> int:
             with CpuWatch() as watch:
                 out = run(cmd, log, capture=True)
             log.note(f"calibrated (attempt {attempt + 1}): {watch.wall_s:.0f} s, load average {la:.2f} before, "
-                     f"{load_avg():.2f} after; other processes used {watch.other_share:.0%} of the CPU")
+                     f"{watch.load_after[0]:.2f} after; other processes used {watch.other_share:.0%} of the CPU")
             if watch.other_share <= args.max_other:
                 break
         for line in out.splitlines():
@@ -373,7 +288,7 @@ def main() -> int:
         with CpuWatch() as watch:
             run(inferlab("plan", "--model", model_file, "--measure-cpu", "--save-hardware", hw, "--json"), log,
                 capture=True)
-        log.note(f"measured the CPU: load average {la:.2f} before, {load_avg():.2f} after; other processes used "
+        log.note(f"measured the CPU: load average {la:.2f} before, {watch.load_after[0]:.2f} after; other processes used "
                  f"{watch.other_share:.0%} of the CPU")
     hw_doc = json.loads(Path(hw).read_text())
     log.note(f"CPU profile: {hw_doc['memory_bandwidth'] / 1e9:.1f} GB/s, "

@@ -245,11 +245,9 @@ def rss_summary(samples: list[Sample], duration: float) -> dict:
 
 
 def plot(samples: list[Sample], path: Path) -> None:
-    import matplotlib
+    from inferlab.bench.plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     ts = [s.t for s in samples]
     a1.plot(ts, [s.rss_mb for s in samples], color="tab:red", label="server RSS (MB)")

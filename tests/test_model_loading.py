@@ -122,6 +122,63 @@ def test_hf_config_refusals(config: dict, message: str) -> None:
         assert "supported: llama, mistral, qwen2, qwen3" in str(info.value)
 
 
+LLAMA_SHAPE = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+               "intermediate_size": 96, "num_hidden_layers": 2, "vocab_size": 128}  # fmt: skip
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "yarn", "factor": 4.0}, {"type": "dynamic", "factor": 2.0}])
+def test_hf_config_refuses_rope_scaling_the_decoder_lacks(rope: dict) -> None:
+    with pytest.raises(ValueError, match=rf"unsupported rope scaling '{rope.get('rope_type', rope.get('type'))}'"):
+        model_config_from_hf({**LLAMA_SHAPE, "rope_scaling": rope})
+    # transformers 5's spelling too
+    with pytest.raises(ValueError, match="unsupported rope scaling"):
+        model_config_from_hf({**LLAMA_SHAPE, "rope_parameters": {**rope, "rope_theta": 1e4}})
+
+
+def test_yarn_is_refused_before_any_weight_is_read(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
+    model = tmp_path / "yarn"
+    model.mkdir()
+    cfg = json.loads((tiny_dirs["llama"] / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+    (model / "model.safetensors").write_bytes(b"not weights")  # reading it would fail differently
+    with pytest.raises(ValueError, match="unsupported rope scaling 'yarn'"):
+        load_hf_dir(model, torch.float32)
+
+
+def _tiny_gguf_with(path: Path, **meta: object) -> Path:
+    """A tiny llama GGUF (one 8-wide layer) whose metadata may carry per-layer lists and rope scaling."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(meta.get("ffn", 16))  # type: ignore[arg-type]
+    w.add_head_count(2)
+    w.add_head_count_kv(meta.get("kv", 1))  # type: ignore[arg-type]
+    w.add_vocab_size(meta.get("vocab", 10))  # type: ignore[arg-type]
+    if "rope" in meta:
+        w.add_rope_scaling_type(meta["rope"])  # type: ignore[arg-type]
+        w.add_rope_scaling_factor(4.0)
+    w.add_tensor("token_embd.weight", np.zeros((12, 8), np.float32))  # 12 rows: a padded vocabulary
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_gguf_config_per_layer_counts_and_vocabulary(tmp_path: Path) -> None:
+    config = model_config_from_gguf(open_gguf(_tiny_gguf_with(tmp_path / "a.gguf", kv=[1], ffn=[16])))
+    assert (config.num_kv_heads, config.intermediate_size) == (1, 16)
+    assert config.vocab_size == 12  # the embedding table's rows, not {arch}.vocab_size
+    with pytest.raises(ValueError, match="different KV head count per layer"):
+        model_config_from_gguf(open_gguf(_tiny_gguf_with(tmp_path / "b.gguf", kv=[1, 2])))
+    with pytest.raises(ValueError, match="different MLP width per layer"):
+        model_config_from_gguf(open_gguf(_tiny_gguf_with(tmp_path / "c.gguf", ffn=[16, 32])))
+    with pytest.raises(ValueError, match="unsupported rope scaling 'yarn'"):
+        model_config_from_gguf(open_gguf(_tiny_gguf_with(tmp_path / "d.gguf", rope=gguf.RopeScalingType.YARN)))
+    linear = _tiny_gguf_with(tmp_path / "e.gguf", rope=gguf.RopeScalingType.LINEAR)
+    assert model_config_from_gguf(open_gguf(linear)).rope_scaling == {"rope_type": "linear", "factor": 4.0}
+
+
 def test_llama3_rope_factors_match_transformers() -> None:
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

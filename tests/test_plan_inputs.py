@@ -148,9 +148,31 @@ def test_hf_dir_sums_safetensors_headers(tmp_path):
 
 def test_config_missing_a_field(tmp_path):
     p = tmp_path / "config.json"
-    p.write_text(json.dumps({"hidden_size": 8}))
+    p.write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
     with pytest.raises(ValueError, match="lacks"):
         load_model_spec(str(p))
+
+
+def test_planner_reads_files_as_the_engine_does(tmp_path):
+    """One parser: the spec of a file is the engine's ModelConfig of it, refusals included."""
+    from inferlab.models.model_config import model_config_from_gguf, model_config_from_hf
+
+    gguf_path = tmp_path / "m.gguf"
+    write_tiny_gguf(gguf_path)
+    cfg = {**QWEN3_CONFIG, "architectures": ["Qwen3ForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    import gguf
+
+    for spec, config in ((load_model_spec(str(gguf_path)), model_config_from_gguf(gguf.GGUFReader(str(gguf_path)))),
+                         (load_model_spec(str(tmp_path / "config.json")), model_config_from_hf(cfg))):
+        for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                      "vocab_size", "tie_word_embeddings", "qk_norm", "attention_bias", "max_position_embeddings"):
+            assert getattr(spec, field) == getattr(config, field), field
+    for refused, message in (({**cfg, "architectures": ["GPT2LMHeadModel"]}, "unsupported architecture"),
+                             ({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling 'yarn'")):
+        (tmp_path / "config.json").write_text(json.dumps(refused))
+        with pytest.raises(ValueError, match=message):
+            load_model_spec(str(tmp_path / "config.json"))
 
 
 def test_builtin_names_and_errors():

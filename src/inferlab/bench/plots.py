@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -34,7 +34,7 @@ def _ok_values(run: dict[str, Any], column: str) -> list[float]:
 
 def plot_latency_cdfs(doc: dict[str, Any], path: Path) -> Path:
     """TTFT, TPOT, ITL and E2E cumulative distributions, in ms."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     for ax, (col, title) in zip(axes.flat, (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E latency"))):
         for run in doc["runs"]:
@@ -56,7 +56,7 @@ def plot_latency_cdfs(doc: dict[str, Any], path: Path) -> Path:
 
 def plot_sweep(doc: dict[str, Any], path: Path) -> Path:
     """Output throughput and goodput, and p95 TTFT, against the swept load."""
-    plt = _pyplot()
+    plt = pyplot()
     sweep = doc["sweep"] or {}
     kind = sweep.get("kind", "concurrency")
     xlabel = "request rate (req/s)" if kind == "rate" else "concurrency (clients)"

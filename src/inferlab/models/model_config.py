@@ -2,8 +2,9 @@
 
 Both sources describe the same few facts under different names; this module is the only
 place that knows both vocabularies. Anything the one decoder cannot run (another
-architecture, partial rotary, MLP biases, ...) is refused here with a ValueError, so it
-never turns into silently wrong output later.
+architecture, partial rotary, MLP biases, yarn rope scaling, ...) is refused here with a
+ValueError, before any weights load, so it never turns into silently wrong output later.
+The planner derives its ModelSpec from the same ModelConfig, so it needs no torch here.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 # Llama 3.1 / 3.2's rope scaling settings: tried first when a GGUF carries rope_freqs.weight.
 _LLAMA3_CANONICAL = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+# Rope scalings models/rope.py implements ("default" is plain RoPE, rope_scaling None).
+ROPE_SCALINGS = ("linear", "llama3")
 
 
 def _unsupported(arch: str, supported: dict[str, str]) -> ValueError:
@@ -51,6 +54,24 @@ def _dedupe(ids: list[int]) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
+def _check_rope(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Refuse a rope scaling the decoder cannot apply (yarn, dynamic, longrope, ...)."""
+    if scaling is not None and scaling["rope_type"] not in ROPE_SCALINGS:
+        raise ValueError(
+            f"unsupported rope scaling {scaling['rope_type']!r} (supported: none, {', '.join(ROPE_SCALINGS)})"
+        )
+    return scaling
+
+
+def _one_per_layer(value: Any, what: str) -> int:
+    """A GGUF count that some files write per layer: one number, refused when the layers differ."""
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise ValueError(f"GGUF has a different {what} per layer; not supported")
+        value = value[0]
+    return int(value)
+
+
 def _hf_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from either transformers 5's `rope_parameters` or 4.x's `rope_scaling`."""
     params = dict(config.get("rope_parameters") or {})
@@ -62,7 +83,7 @@ def _hf_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     source.pop("type", None)
     if rope_type == "default":
         return theta, None
-    return theta, {"rope_type": rope_type, **source}
+    return theta, _check_rope({"rope_type": rope_type, **source})
 
 
 def model_config_from_hf(
@@ -160,12 +181,17 @@ def gguf_field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
 
 def llama3_rope_factors(head_dim: int, theta: float, scaling: dict[str, Any]) -> np.ndarray:
     """The per-frequency divisors Llama 3's rope scaling applies (llama.cpp stores them as
-    rope_freqs.weight): plain inverse frequencies over the scaled ones of models/rope.py."""
-    from inferlab.models.rope import rope_inv_freq
-
-    plain = rope_inv_freq(head_dim, theta, None).double()
-    scaled = rope_inv_freq(head_dim, theta, {**scaling, "rope_type": "llama3"}).double()
-    return (plain / scaled).numpy().astype(np.float32)
+    rope_freqs.weight): models/rope.py's formula as plain / scaled inverse frequencies, in
+    numpy so that reading a GGUF's shape (the planner does) needs no torch."""
+    factor = float(scaling["factor"])
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    medium = 1 / ((1 - smooth) / factor + smooth)
+    divisors = np.where(wavelen > old_ctx / low, factor, np.where(wavelen < old_ctx / high, 1.0, medium))
+    return divisors.astype(np.float32)
 
 
 def _llama3_scaling_from_factors(factors: np.ndarray, head_dim: int, theta: float) -> dict[str, Any]:
@@ -224,11 +250,7 @@ def model_config_from_gguf(reader: gguf.GGUFReader, name: str = "") -> ModelConf
 
     hidden = int(meta("embedding_length"))
     num_heads = int(meta("attention.head_count"))
-    num_kv_heads = meta("attention.head_count_kv", num_heads)
-    if isinstance(num_kv_heads, list):  # per-layer list in some files; we need one value
-        if len(set(num_kv_heads)) != 1:
-            raise ValueError("GGUF has a different KV head count per layer; not supported")
-        num_kv_heads = num_kv_heads[0]
+    num_kv_heads = _one_per_layer(meta("attention.head_count_kv", num_heads), "KV head count")
     head_dim = int(meta("attention.key_length", hidden // num_heads))
     rope_dim = int(meta("rope.dimension_count", head_dim))
     if rope_dim != head_dim:
@@ -245,12 +267,10 @@ def model_config_from_gguf(reader: gguf.GGUFReader, name: str = "") -> ModelConf
     scaling_type = meta("rope.scaling.type", "none")
     if freqs is not None:
         rope_scaling = _llama3_scaling_from_factors(np.asarray(freqs.data, dtype=np.float32), head_dim, theta)
-    elif scaling_type in ("linear", "yarn"):
-        rope_scaling = {"rope_type": scaling_type, "factor": _f32(meta("rope.scaling.factor"))}
-        if scaling_type == "yarn":
-            rope_scaling["original_max_position_embeddings"] = int(meta("rope.scaling.original_context_length"))
+    elif scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": _f32(meta("rope.scaling.factor"))}
     elif scaling_type != "none":
-        raise ValueError(f"unsupported rope scaling type {scaling_type!r} in GGUF metadata")
+        _check_rope({"rope_type": scaling_type})
 
     eos = _token_ids(gguf_field(reader, "tokenizer.ggml.eos_token_id"))
     # End-of-turn ends generation too (llama.cpp stops on either).
@@ -258,9 +278,10 @@ def model_config_from_gguf(reader: gguf.GGUFReader, name: str = "") -> ModelConf
     bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch_name],
+        # The table's rows, not tokenizer.ggml.tokens or {arch}.vocab_size: padded vocabularies differ.
         vocab_size=int(embd.shape[1]),  # GGUF dims are reversed: [hidden, vocab]
         hidden_size=hidden,
-        intermediate_size=int(meta("feed_forward_length")),
+        intermediate_size=_one_per_layer(meta("feed_forward_length"), "MLP width"),
         num_layers=int(meta("block_count")),
         num_heads=num_heads,
         num_kv_heads=int(num_kv_heads),

@@ -1,9 +1,10 @@
 """`ModelSpec`: the architecture numbers the planner needs, from a built-in table of public
 configurations, a local config.json / Hugging Face directory, or a GGUF file.
 
-No torch: a GGUF file is read with the `gguf` package (memory-mapped, metadata and tensor
-table only) and safetensors files by their JSON headers, so planning a 70B model costs
-nothing but arithmetic.
+The shape of a file is read by the engine's own parser (models/model_config.py), so the
+planner plans only what the engine runs and refuses what it refuses. No torch: a GGUF file
+is read with the `gguf` package (memory-mapped, metadata and tensor table only) and
+safetensors files by their JSON headers, so planning a 70B model costs nothing but arithmetic.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from gguf import GGUFReader
+
+from inferlab.config import ModelConfig
+from inferlab.models.model_config import model_config_from_gguf, model_config_from_hf
 from inferlab.plan.figures import Kind
 
 
@@ -189,36 +194,42 @@ def load_model_spec(name_or_path: str) -> ModelSpec:
     return builtin_model(name_or_path)
 
 
-def spec_from_config(cfg: dict[str, Any], source: str, name: str | None = None) -> ModelSpec:
-    """A Hugging Face config.json dict -> ModelSpec; parameters from the formula."""
-    cfg = cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
-    try:
-        hidden = int(cfg["hidden_size"])
-        heads = int(cfg["num_attention_heads"])
-        fields = dict(
-            num_layers=int(cfg["num_hidden_layers"]),
-            hidden_size=hidden,
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            intermediate_size=int(cfg["intermediate_size"]),
-            vocab_size=int(cfg["vocab_size"]),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        )
-    except KeyError as e:
-        raise ValueError(f"{source}: config.json lacks {e.args[0]!r}") from None
-    model_type = str(cfg.get("model_type", ""))
-    flags = dict(qk_norm=model_type.startswith("qwen3"), attention_bias=model_type == "qwen2")
-    dtype = _hf_dtype(cfg.get("torch_dtype") or cfg.get("dtype"))
+_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                 "vocab_size", "tie_word_embeddings", "qk_norm", "attention_bias")
+
+
+def _spec(config: ModelConfig, **fields: Any) -> ModelSpec:
+    """The planner's view of the engine's ModelConfig: the shape, plus where the numbers came from."""
     return ModelSpec(
-        name=name or str(cfg.get("_name_or_path") or model_type or Path(source).parent.name),
-        num_params=count_params(**fields, **flags),
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        intermediate_size=config.intermediate_size,
+        vocab_size=config.vocab_size,
+        tie_word_embeddings=config.tie_word_embeddings,
+        qk_norm=config.qk_norm,
+        attention_bias=config.attention_bias,
+        max_position_embeddings=config.max_position_embeddings,
         params_kind="computed",
-        source=f"{source} (parameters from the Llama-style formula)",
-        max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
-        native_precision=dtype,
         **fields,
-        **flags,
+    )
+
+
+def spec_from_config(cfg: dict[str, Any], source: str, name: str | None = None) -> ModelSpec:
+    """A Hugging Face config.json dict -> ModelSpec (read as the engine reads it); parameters
+    from the formula."""
+    try:
+        config = model_config_from_hf(cfg)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+    return _spec(
+        config,
+        name=name or str(cfg.get("_name_or_path") or cfg.get("model_type") or Path(source).parent.name),
+        num_params=count_params(**{f: getattr(config, f) for f in _SHAPE_FIELDS}),
+        source=f"{source} (parameters from the Llama-style formula)",
+        native_precision=_hf_dtype(cfg.get("torch_dtype") or cfg.get("dtype")),
     )
 
 
@@ -268,67 +279,26 @@ def _safetensors_header(path: Path) -> dict[str, Any]:
 
 
 def spec_from_gguf(path: Path) -> ModelSpec:
-    """GGUF metadata for the shape; the tensor table for parameters and actual stored bytes."""
-    try:
-        from gguf import GGUFReader
-    except ImportError as e:  # pragma: no cover - gguf is a dependency
-        raise ValueError("reading a GGUF file needs the `gguf` package") from e
+    """GGUF metadata for the shape (read as the engine reads it); the tensor table for
+    parameters and actual stored bytes."""
     try:
         reader = GGUFReader(str(path))
     except Exception as e:  # gguf raises ValueError/struct errors on foreign files
         raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
-
-    def field(key: str, default: Any = None) -> Any:
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
-
-    arch = field("general.architecture")
-    if not arch:
-        raise ValueError(f"{path}: GGUF file has no general.architecture")
-
-    def need(key: str) -> Any:
-        value = field(f"{arch}.{key}")
-        if value is None:
-            raise ValueError(f"{path}: GGUF metadata lacks {arch}.{key}")
-        return value
-
-    hidden = int(need("embedding_length"))
-    heads = int(need("attention.head_count"))
-    kv_heads = field(f"{arch}.attention.head_count_kv", heads)
-    if isinstance(kv_heads, list):  # per-layer lists exist in some files; the planner wants one number
-        kv_heads = max(kv_heads)
-    ffn = need("feed_forward_length")
-    if isinstance(ffn, list):
-        ffn = max(ffn)
-    vocab = field(f"{arch}.vocab_size")
-    if vocab is None:
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
-        vocab = len(tokens.data) if tokens is not None else 0
-    names = {t.name for t in reader.tensors}
-    n_params = sum(int(t.n_elements) for t in reader.tensors)
-    n_bytes = sum(int(t.n_bytes) for t in reader.tensors)
+    try:
+        config = model_config_from_gguf(reader)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     embed = next((int(t.n_bytes) for t in reader.tensors if t.name == "token_embd.weight"), None)
     by_type: dict[str, int] = {}
     for t in reader.tensors:
         by_type[t.tensor_type.name.lower()] = by_type.get(t.tensor_type.name.lower(), 0) + int(t.n_bytes)
-    dominant = max(by_type, key=by_type.get) if by_type else "bf16"
-    return ModelSpec(
+    return _spec(
+        config,
         name=path.stem,
-        num_layers=int(need("block_count")),
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=int(kv_heads),
-        head_dim=int(field(f"{arch}.attention.key_length", hidden // heads)),
-        intermediate_size=int(ffn),
-        vocab_size=int(vocab),
-        tie_word_embeddings="output.weight" not in names,
-        num_params=n_params,
-        params_kind="computed",
+        num_params=sum(int(t.n_elements) for t in reader.tensors),
         source=f"{path}: GGUF metadata; parameters and bytes summed over its {len(reader.tensors)} tensors",
-        qk_norm="blk.0.attn_q_norm.weight" in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        max_position_embeddings=int(field(f"{arch}.context_length", 0)),
-        native_precision=dominant,
-        file_weight_bytes=n_bytes,
+        native_precision=max(by_type, key=by_type.__getitem__) if by_type else "bf16",
+        file_weight_bytes=sum(by_type.values()),
         file_embedding_bytes=embed,
     )
