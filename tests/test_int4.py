@@ -205,6 +205,8 @@ def _generate(path, monkeypatch, use_step: bool, n_prompts: int = 3, kernels: bo
     llm = LLM(str(path), dtype="float32", weight_dtype="int4", num_kv_blocks=64)
     model = llm.engine.runner.model
     assert isinstance(model.layers[0].qkv, Int4Linear) and isinstance(model.layers[0].down, Int4Linear)
+    # the embedding / tied lm_head from float weights: int8 (see DecoderModel's `table`)
+    assert model.lm_head is model.embed and model.embed.weight.dtype == torch.int8
     g = torch.Generator().manual_seed(n_prompts)
     prompts = [torch.randint(3, 250, (int(n),), generator=g).tolist()
                for n in torch.randint(2, 40, (n_prompts,), generator=g)]
@@ -253,6 +255,7 @@ def test_a_q4_gguf_loads_its_codes_as_they_are(tmp_path):
     rows, cols = int(t.shape[1]), int(t.shape[0])
     want = from_gguf(t.data, t.tensor_type, rows, cols)
     assert torch.equal(model.layers[0].down.weight, want.codes) and torch.equal(model.layers[0].down.scale, want.dm)
+    assert isinstance(model.embed, Int4Linear)  # a Q4 token_embd is the file's choice: kept too
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
 
