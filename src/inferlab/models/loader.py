@@ -158,7 +158,7 @@ def load_model(
         fmt, name = detect_format(path), name or _default_name(path)
     if load_config.load_format != "auto" and load_config.load_format != fmt:
         raise ValueError(f"load_format is {load_config.load_format!r} but {path} is a {fmt!r} model")
-    if fmt == "gguf" and resolve_weight_dtype(load_config) == INT4:
+    if fmt == "gguf" and _WEIGHT_DTYPES.get(load_config.weight_dtype) == INT4:
         loaded = load_gguf(path, dtype, name, keep_int4=True)  # Q4 blocks as they are, no dequantize
     else:
         loaded = LOADERS[fmt](path, dtype, name)

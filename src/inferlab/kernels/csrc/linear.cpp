@@ -93,7 +93,10 @@ void small_m(const float* x, int64_t M, int64_t K, const T* w, int64_t N, const 
 // The decode path for 4-bit weights: x quantized once (q4.h), then blocks of rows over threads.
 void small_m_q4(const float* x, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* dm, int64_t N,
                 const float* bias, float* y) {
-  inferlab_q4::Q4X xq;
+  // The calling thread's, grown once. The pool threads read it through this reference: the name
+  // of a thread_local in the lambda would be each pool thread's own (empty) one.
+  thread_local inferlab_q4::Q4X mine;
+  inferlab_q4::Q4X& xq = mine;
   inferlab_q4::quantize_x(x, M, K, xq);
   for_block_chunks((N + kRowsW - 1) / kRowsW, [&](int64_t b0, int64_t b1) {
     const int64_t n0 = b0 * kRowsW, n1 = std::min(N, b1 * kRowsW);
