@@ -95,8 +95,7 @@ def test_gguf_q4_k_blocks_give_ggufs_values_up_to_float16_rounding_of_the_scales
     ours = from_gguf(blocks, QType.Q4_K, rows, cols).dequantize().numpy()
     # d * sc and dmin * mn (6-bit sc, mn) rounded to float16: half an ulp, 2^-11 relative, each
     bound = (15 * 0.003 * 63 + 0.0021 * 63) * 2.0**-11
-    assert np.abs(ours - want).max() <= bound
-    assert np.abs(ours - want).max() > 0 or True  # exact where the products fit float16
+    assert np.abs(ours - want).max() <= bound  # a code or scale in the wrong place is off by ~1
 
 
 # ---- the kernels ----------------------------------------------------------------------------
@@ -232,7 +231,7 @@ def test_int4_plain_torch_fallback_is_close(tiny, monkeypatch):
     slow, model = _generate(tiny["llama"], monkeypatch, True, kernels=False)
     assert "plain torch" in model.describe_precision()
     for a, b in zip(fast, slow):  # the first token: from the same prompt, the same weights
-        (chosen_a, top_a), (chosen_b, top_b) = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        (chosen_a, top_a), (chosen_b, _) = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
         if chosen_a.token_id == chosen_b.token_id:
             assert abs(chosen_a.logprob - chosen_b.logprob) < 0.05
         else:  # a near-tie (this tiny random model's distributions are flat) may flip
