@@ -130,6 +130,8 @@ inline void dot_tile_q4(const Q4X& xq, int64_t m0, const uint8_t* w, int64_t ldw
   const __m512i idx_d = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
   const __m512i idx_m = _mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7);
   const char* pf = reinterpret_cast<const char*>(w) + kQ4PrefetchBytes;
+  // the (d, m) pairs are a second stream (a fifth of the bytes): prefetched as many rows ahead
+  const char* pfd = reinterpret_cast<const char*>(dm + std::max<int64_t>(1, kQ4PrefetchBytes / ldw) * ldm);
   __m512 acc[MB][NB];
 #pragma GCC unroll 4
   for (int i = 0; i < MB; ++i)
@@ -142,6 +144,10 @@ inline void dot_tile_q4(const Q4X& xq, int64_t m0, const uint8_t* w, int64_t ldw
     if (stream) {
 #pragma GCC unroll 4
       for (int j = 0; j < NB; ++j) _mm_prefetch(pf + j * ldw + c * 64, _MM_HINT_T0);
+      if ((c & 3) == 0) {
+#pragma GCC unroll 4
+        for (int j = 0; j < NB; ++j) _mm_prefetch(pfd + (j * ldm + c * 8) * 2, _MM_HINT_T0);
+      }
     }
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) {
