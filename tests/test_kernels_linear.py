@@ -245,7 +245,7 @@ def test_explicit_weight_dtype(monkeypatch):
     with pytest.raises(ValueError, match="wider than the compute dtype"):
         resolve_weight_dtype(LoadConfig(dtype="bfloat16", weight_dtype="float32"))
     with pytest.raises(ValueError, match="weight_dtype must be"):
-        LoadConfig(weight_dtype="int4")
+        LoadConfig(weight_dtype="int3")
 
 
 def test_weight_dtype_flags():
@@ -260,7 +260,7 @@ def test_weight_dtype_flags():
     parser, _ = build_parser(argv)
     assert parser.parse_args(argv).weight_dtype == "bfloat16"
     with pytest.raises(SystemExit):
-        parser.parse_args(["generate", "--weight-dtype", "int4"])
+        parser.parse_args(["generate", "--weight-dtype", "int3"])
 
 
 # ---- the engine --------------------------------------------------------------------------
@@ -349,7 +349,7 @@ def test_w8a8_is_int8_x_per_64_values_times_the_codes(m, k):
 
 def test_w8a8_needs_vnni_and_says_what_this_machine_has(monkeypatch):
     _variant(monkeypatch, "avx2")
-    with pytest.raises(ValueError, match=r"w8a8 needs .*\(VNNI\).*kernels are avx2: use one of auto, float32, bfloat16, float16, int8$"):
+    with pytest.raises(ValueError, match=r"w8a8 needs .*\(VNNI\).*kernels are avx2: use one of auto, float32, bfloat16, float16, int8, int4$"):
         resolve_weight_dtype(LoadConfig(weight_dtype="w8a8"))
     _variant(monkeypatch, "avx512")
     assert resolve_weight_dtype(LoadConfig(weight_dtype="w8a8")) == torch.int8

@@ -53,7 +53,9 @@ class ModelConfig:
 
 # int8: weight-only (float products); w8a8: int8 weights and x quantized per group of 64 on the
 # fly, integer dot products (vpdpbusd; the AVX-512 kernel variant only), faster, less accurate.
-WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "w8a8")
+# int4: 4-bit codes with a float16 scale and min per group of 32 (GGUF Q4_0 / Q4_1 / Q4_K kept as
+# they are), x quantized per group of 32, integer dot products on both kernel variants.
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "w8a8", "int4")
 # int8: K and V as int8 codes with one float32 scale per token and KV head (models/kv_cache.py).
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 
@@ -67,7 +69,7 @@ class LoadConfig:
     dtype: str = "auto"  # compute dtype: "auto" (bfloat16 where the CPU computes in it, else float32) | ...
     # Storage of the linear layers' weights, read once per decode step (the bandwidth that bounds
     # decode): "auto" (16-bit on a float32 CPU when our kernels load, else as dtype) | "float32" |
-    # "bfloat16" | "float16" | "int8" (weight-only, per-output-channel scales).
+    # "bfloat16" | "float16" | "int8" (weight-only, per-output-channel scales) | "w8a8" | "int4".
     weight_dtype: str = "auto"
     seed: int = 0  # seeds dummy weights and the global sampler generator
     device: str = "cpu"

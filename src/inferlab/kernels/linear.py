@@ -9,6 +9,9 @@ kernels multiply bf16 weights in bf16 with float32 sums, see `bf16_products`). O
 without the kernels (`build.available()` False, or activations not float32 on the CPU) the same
 math runs in plain torch: dequantize, then `F.linear`.
 
+`Int4Linear` (a WeightOnlyLinear) stores 4-bit group-wise weights (kernels/int4.py's format)
+and multiplies them with integer dot products on x quantized per group of 32 (csrc/q4.h).
+
 `DenseLinear` is the other implementation of the same small interface (`__call__`, `rows`,
 `nbytes`): the weight in the compute dtype and `F.linear`, exactly as before weight-only storage.
 `make_linear` picks one of the two.
@@ -20,8 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from inferlab.kernels import build
+from inferlab.kernels.int4 import INT4, Int4Weight, quantize
 
-__all__ = ["DenseLinear", "WeightOnlyLinear", "bucket_rows", "linear", "make_linear", "quantize_int8"]
+__all__ = ["DenseLinear", "Int4Linear", "WeightOnlyLinear", "bucket_rows", "linear", "make_linear", "quantize_int8"]
 
 # The storage dtypes WeightOnlyLinear takes; torch.int8 means symmetric per-output-row scales.
 STORED_DTYPES = (torch.float16, torch.bfloat16, torch.int8)
@@ -222,20 +226,64 @@ class WeightOnlyLinear:
         return _nbytes(self.weight, self.scale, self.bias)
 
 
+class Int4Linear(WeightOnlyLinear):
+    """y = x @ W^T (+ bias), W in 4 bits per weight with a float16 (d, m) per group of 32 (int4.py).
+
+    `weight` and `scale` are the codes (uint8 [N, K / 2]) and the (d, m) pairs (float16
+    [N, K / 32, 2]): what DecoderStep takes in the places of an int8 weight and its scales.
+    Built from float weights (quantized here) or an Int4Weight as it is (a GGUF's Q4 blocks).
+    Below MKL_MIN_ROWS rows the kernels quantize x per group of 32 to int8 and run the integer
+    dot product on the codes (vpdpbusd / vpmaddubsw); from there the weight is dequantized in
+    tiles for the GEMM (bf16 through oneDNN on AVX-512, float32 through at::mm on AVX2). The
+    fallback dequantizes and calls F.linear: float32 x, so it differs from the kernels by x's
+    int8 rounding only.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor | Int4Weight,
+        bias: torch.Tensor | None = None,
+        compute_dtype: torch.dtype = torch.float32,
+        use_kernels: bool | None = None,
+    ):
+        self.q = weight if isinstance(weight, Int4Weight) else quantize(weight)
+        self.compute_dtype = compute_dtype
+        self.weight, self.scale = self.q.codes, self.q.dm
+        self.bias = bias.float().contiguous() if bias is not None else None
+        self.use_kernels = build.available() if use_kernels is None else use_kernels
+        self.bf16_products = False
+        self.bf16_gemm = self.use_kernels and build.kernel_info().bf16_dot
+        self.row_sums = None
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.inferlab.linear_w4(x, self.weight, self.scale, self.bias, MKL_MIN_ROWS)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.q.dequantize(dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.q.index_select(ids).dequantize(self.compute_dtype)
+
+
 def make_linear(
-    weight: torch.Tensor,
+    weight: torch.Tensor | Int4Weight,
     bias: torch.Tensor | None,
     stored_dtype: torch.dtype,
     compute_dtype: torch.dtype,
     int8_activations: bool = False,
 ) -> DenseLinear | WeightOnlyLinear:
-    """DenseLinear when the weight is stored in the compute dtype, else WeightOnlyLinear."""
+    """DenseLinear when the weight is stored in the compute dtype, Int4Linear for int4.INT4 (from
+    float weights or an Int4Weight), else WeightOnlyLinear."""
+    if stored_dtype == INT4:
+        return Int4Linear(weight, bias, compute_dtype)
+    if isinstance(weight, Int4Weight):
+        weight = weight.dequantize(compute_dtype)
     if stored_dtype == compute_dtype:
         return DenseLinear(weight.to(compute_dtype), None if bias is None else bias.to(compute_dtype))
     if stored_dtype not in STORED_DTYPES:
         raise ValueError(
             f"weights stored as {stored_dtype} with compute in {compute_dtype}: weight-only storage "
-            "is float16, bfloat16 or int8"
+            "is float16, bfloat16, int8 or int4"
         )
     return WeightOnlyLinear(weight, stored_dtype, bias, compute_dtype, int8_activations=int8_activations)
 

@@ -2,7 +2,9 @@
 
 We dequantize at load time (numpy, `gguf.quants`) rather than running quantized matmuls:
 one decoder then serves every format, at the cost of memory (a Q4_1 file grows ~4x in bf16),
-which is fine for the small models this engine runs on CPU.
+which is fine for the small models this engine runs on CPU. The exception is weight_dtype int4
+(`keep_int4`): Q4_0 / Q4_1 / Q4_K matrices become Int4Weight (kernels/int4.py) from their bytes,
+so the file's codes are the ones multiplied.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from inferlab.engine.generation_config import read_gguf_sampling
+from inferlab.kernels.int4 import GGUF_INT4_TYPES, Int4Weight, from_gguf
 from inferlab.models.loaded import LoadedModel, check_weights
 from inferlab.models.model_config import gguf_field, model_config_from_gguf
 
@@ -139,8 +142,17 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype, name: str = "") -> LoadedModel:
-    """Read a GGUF model into HF-named tensors of `dtype`, checked against its config."""
+def read_tensor(tensor: gguf.ReaderTensor, keep_int4: bool) -> torch.Tensor | Int4Weight:
+    """A Q4 matrix as Int4Weight when `keep_int4`, anything else dequantized (float32)."""
+    if keep_int4 and tensor.tensor_type in GGUF_INT4_TYPES and len(tensor.shape) == 2:
+        cols, rows = (int(d) for d in tensor.shape)
+        return from_gguf(tensor.data, tensor.tensor_type, rows, cols)
+    return dequantize_tensor(tensor)
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype, name: str = "", keep_int4: bool = False) -> LoadedModel:
+    """Read a GGUF model into HF-named tensors of `dtype`, checked against its config; with
+    `keep_int4`, Q4 matrices stay 4-bit (Int4Weight) for weight_dtype int4."""
     path = Path(path)
     reader = open_gguf(path)
     try:
@@ -149,20 +161,22 @@ def load_gguf(path: str | Path, dtype: torch.dtype, name: str = "") -> LoadedMod
         raise ValueError(f"{path}: {e}") from None
     permuted = gguf_field(reader, "general.architecture") == "llama"
     heads = {"self_attn.q_proj": config.num_heads, "self_attn.k_proj": config.num_kv_heads}
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | Int4Weight] = {}
     for tensor in reader.tensors:
         try:
             name_hf = hf_name(tensor.name)
             if name_hf is None:
                 continue
-            value = dequantize_tensor(tensor)
+            value = read_tensor(tensor, keep_int4)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
         if permuted:
             module = name_hf.split(".", 3)[-1].rsplit(".", 1)[0]  # e.g. "self_attn.q_proj"
-            if module in heads:
+            if module in heads and isinstance(value, Int4Weight):  # the same row order, by index
+                value = value.index_select(unpermute_qk(torch.arange(value.shape[0]), heads[module]))
+            elif module in heads:
                 value = unpermute_qk(value, heads[module])
-        weights[name_hf] = value.to(dtype)
-    check_weights(config, weights, path)
-    return LoadedModel(config=config, weights=weights, source_path=path, format="gguf",
+        weights[name_hf] = value if isinstance(value, Int4Weight) else value.to(dtype)
+    check_weights(config, weights, path)  # type: ignore[arg-type]
+    return LoadedModel(config=config, weights=weights, source_path=path, format="gguf",  # type: ignore[arg-type]
                        sampling_defaults=read_gguf_sampling(reader))

@@ -13,6 +13,7 @@ import torch
 
 from inferlab.config import WEIGHT_DTYPES, CacheConfig, LoadConfig
 from inferlab.kernels import build as kernels_build
+from inferlab.kernels.int4 import INT4
 from inferlab.models.dummy_loader import load_dummy
 from inferlab.models.gguf_loader import load_gguf
 from inferlab.models.hf_loader import load_hf_dir
@@ -52,7 +53,7 @@ def resolve_dtype(dtype: str, device: str | torch.device = "cpu") -> torch.dtype
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
-_WEIGHT_DTYPES = {**_DTYPES, "int8": torch.int8, "w8a8": torch.int8}
+_WEIGHT_DTYPES = {**_DTYPES, "int8": torch.int8, "w8a8": torch.int8, "int4": INT4}
 _KV_DTYPES = {**_DTYPES, "int8": torch.int8}  # int8: codes with per-(token, KV head) scales, models/kv_cache.py
 
 
@@ -81,7 +82,8 @@ def resolve_kv_dtype(load_config: LoadConfig, cache_config: CacheConfig) -> torc
 
 def resolve_weight_dtype(load_config: LoadConfig) -> torch.dtype:
     """LoadConfig.weight_dtype -> the dtype the linear layers' weights are stored in
-    (torch.int8: weight-only int8 with one scale per output row; see kernels/linear.py).
+    (torch.int8: weight-only int8 with one scale per output row; int4.INT4: 4 bits per weight with
+    a float16 (d, m) per group of 32, kernels/int4.py; see kernels/linear.py).
 
     "auto": when dtype was "auto" and our kernels load (compute float32), the kernel variant's
     16-bit type (kernels/build.py KernelInfo.auto_weight_dtype): bfloat16 on AVX512-BF16, whose
@@ -159,7 +161,10 @@ def load_model(
         fmt, name = detect_format(path), name or _default_name(path)
     if load_config.load_format != "auto" and load_config.load_format != fmt:
         raise ValueError(f"load_format is {load_config.load_format!r} but {path} is a {fmt!r} model")
-    loaded = LOADERS[fmt](path, dtype, name)
+    if fmt == "gguf" and _WEIGHT_DTYPES.get(load_config.weight_dtype) == INT4:
+        loaded = load_gguf(path, dtype, name, keep_int4=True)  # Q4 blocks as they are, no dequantize
+    else:
+        loaded = LOADERS[fmt](path, dtype, name)
     if torch.device(load_config.device).type != "cpu":
         # One tensor at a time, so the CPU copy of each is freed as soon as it has moved.
         for key in list(loaded.weights):

@@ -28,9 +28,11 @@
 //   layer_tensors: 13 per layer, in order: input_norm, qkv_w, qkv_scale, qkv_bias, q_norm, k_norm,
 //     o_w, o_scale, post_norm, gate_up_w, gate_up_scale, down_w, down_scale; an empty tensor
 //     (numel 0) for one the model does not have. Weights: one dtype for all (float32, float16,
-//     bfloat16, or int8 with float32 per-row scales). Caches: float32, float16 or int8 [kvH, slots, D];
-//     int8 caches also need .set_kv_scales(k_scales, v_scales) (one [kvH, slots] float32 tensor per
-//     layer each: models/kv_cache.py's format, quantized per row on write, rows.h).
+//     bfloat16, int8 with float32 per-row scales, or 4-bit: uint8 codes [N, K / 2] with float16
+//     (d, m) pairs [N, K / 32, 2] as the "scale", q4.h's format and integer products). Caches:
+//     float32, float16 or int8 [kvH, slots, D]; int8 caches also need .set_kv_scales(k_scales,
+//     v_scales) (one [kvH, slots] float32 tensor per layer each: models/kv_cache.py's format,
+//     quantized per row on write, rows.h).
 // .forward(x [M, hidden] float32 (the token embeddings; used as the residual stream and
 //          overwritten), positions [M] int64, slots [M] int64, block_tables [M, max_blocks] int32,
 //          context_lens [M] int32) -> [M, hidden], the final norm's output.
@@ -41,6 +43,7 @@
 
 #include "attention.h"
 #include "matvec.h"
+#include "q4.h"
 #include "rows.h"
 
 #include <omp.h>
@@ -70,6 +73,7 @@ struct Linear {
   const float* scale = nullptr;
   const float* bias = nullptr;
   const int32_t* wsum = nullptr;  // int8 weights' group corrections (the AVX-512 variant), computed once here
+  const uint16_t* dm = nullptr;   // 4-bit weights' float16 (d, m) pairs (w is then uint8 codes)
   int64_t n = 0, k = 0;
 };
 
@@ -107,6 +111,7 @@ struct Work {
   std::vector<float> cols;   // M * task width: one task's columns of a product
   std::vector<float> cols2;  // M * task width: the up half of gate/up
   inferlab_attention::Scratch attn;
+  inferlab_q4::Q4X q4x;      // x quantized for 4-bit weights
 };
 
 at::Tensor present(const at::Tensor& t) { return t.numel() > 0 ? t : at::Tensor(); }
@@ -216,6 +221,7 @@ class DecoderStep : public torch::CustomClassHolder {
       case at::kHalf: run_cache<at::Half>(x, positions, slots, block_tables, context_lens, out); break;
       case at::kBFloat16: run_cache<at::BFloat16>(x, positions, slots, block_tables, context_lens, out); break;
       case at::kChar: run_cache<int8_t>(x, positions, slots, block_tables, context_lens, out); break;
+      case at::kByte: run_cache<uint8_t>(x, positions, slots, block_tables, context_lens, out); break;
       default: TORCH_CHECK_VALUE(false, "DecoderStep: unsupported weight dtype ", weight_dtype_);
     }
     return out;
@@ -254,6 +260,7 @@ class DecoderStep : public torch::CustomClassHolder {
   static Linear linear(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& bias, int64_t n, int64_t k,
                        const char* name, bool int8_x) {
     const auto dt = w.scalar_type();
+    if (dt == at::kByte) return linear_q4(w, scale, bias, n, k, name);
     TORCH_CHECK_VALUE(w.dim() == 2 && w.is_contiguous() && w.size(0) == n && w.size(1) == k, "DecoderStep: ",
                       name, " weight must be a contiguous [", n, ", ", k, "] matrix, got ", w.sizes());
     TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16 || dt == at::kChar,
@@ -284,6 +291,25 @@ class DecoderStep : public torch::CustomClassHolder {
     return lin;
   }
 
+  // A 4-bit linear: codes [n, k / 2], (d, m) pairs float16 [n, k / 32, 2], bias float32 or absent.
+  static Linear linear_q4(const at::Tensor& w, const at::Tensor& dm, const at::Tensor& bias, int64_t n, int64_t k,
+                          const char* name) {
+    TORCH_CHECK_VALUE(k % inferlab_q4::kQ4Group == 0 && w.dim() == 2 && w.is_contiguous() && w.size(0) == n &&
+                          w.size(1) * 2 == k,
+                      "DecoderStep: ", name, " 4-bit codes must be a contiguous [", n, ", ", k / 2, "] matrix");
+    TORCH_CHECK_VALUE(dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.numel() == n * (k / 16),
+                      "DecoderStep: ", name, " 4-bit weights need float16 (d, m) pairs [", n, ", ", k / 32, ", 2]");
+    Linear lin;
+    lin.w = w, lin.n = n, lin.k = k, lin.scale_t = dm, lin.bias_t = present(bias);
+    if (lin.bias_t.defined()) {
+      check_f32(lin.bias_t, name);
+      TORCH_CHECK_VALUE(lin.bias_t.numel() == n, "DecoderStep: ", name, " bias must have ", n, " elements");
+      lin.bias = lin.bias_t.data_ptr<float>();
+    }
+    lin.dm = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
+    return lin;
+  }
+
   // h = rms_norm(x) * w for every row. A tiny batch: each thread computes it into its own buffer
   // (cheaper than a barrier); otherwise split by rows into `shared`, ending in a barrier.
   const float* norm_rows(const float* x, const at::Tensor& w, int64_t m, float* shared, Work& wk) const {
@@ -301,16 +327,21 @@ class DecoderStep : public torch::CustomClassHolder {
   template <typename T>
   void products(const float* in, int64_t m, const Linear& lin, int64_t r0, int64_t rows, float* y, int64_t ldy,
                 Work& wk) const {
+    if constexpr (std::is_same_v<T, uint8_t>) {  // 4-bit codes: x quantized per call (q4.h)
+      inferlab_q4::quantize_x(in, m, lin.k, wk.q4x);
+      inferlab_q4::row_products_q4(wk.q4x, lin.w.data_ptr<uint8_t>(), lin.dm, r0, rows, lin.bias, y, ldy);
+    } else {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-    if constexpr (std::is_same_v<T, int8_t>) {
-      if (lin.wsum) {
-        row_products_i8(in, m, lin.k, lin.w.data_ptr<int8_t>(), lin.wsum, r0, rows, lin.scale, lin.bias, y, ldy);
-        return;
+      if constexpr (std::is_same_v<T, int8_t>) {
+        if (lin.wsum) {
+          row_products_i8(in, m, lin.k, lin.w.data_ptr<int8_t>(), lin.wsum, r0, rows, lin.scale, lin.bias, y, ldy);
+          return;
+        }
       }
-    }
 #endif
-    row_products(in, m, lin.k, lin.w.data_ptr<T>(), r0, rows, lin.scale, lin.bias, wk.buf.data(), wk.dots.data(), y,
-                 ldy);
+      row_products(in, m, lin.k, lin.w.data_ptr<T>(), r0, rows, lin.scale, lin.bias, wk.buf.data(), wk.dots.data(),
+                   y, ldy);
+    }
   }
 
   // x[:, columns c * width ..] += in @ W^T for those columns (o and down: the residual add).

@@ -24,6 +24,11 @@
 //       [N, ceil(K / 64)]: -128 x w's sums per group of 64, int8_group_corrections): on the AVX-512
 //       variant, below mkl_min_rows rows, x is quantized per group of 64 to int8 and multiplied
 //       with vpdpbusd (matvec.h); without it (or on AVX2) float32 products.
+//   linear_w4(Tensor x, Tensor codes, Tensor dm, Tensor? bias=None, int mkl_min_rows=128) -> Tensor
+//       4-bit group-wise weights (q4.h's format): codes uint8 [N, K / 2], dm float16 [N, K / 32, 2].
+//       Below mkl_min_rows rows x is quantized per group of 32 to int8 and the integer dot
+//       product runs on the codes (vpdpbusd on AVX-512, vpmaddubsw on AVX2); from there, the
+//       weight dequantized in tiles to bf16 for oneDNN's GEMM (AVX-512) or float32 for at::mm.
 // x may have any leading dimensions ([..., K] -> [..., N]).
 
 #include <ATen/ATen.h>
@@ -31,6 +36,7 @@
 #include <torch/library.h>
 
 #include "matvec.h"
+#include "q4.h"
 
 #include <algorithm>
 #include <atomic>
@@ -42,6 +48,24 @@
 namespace {
 
 using namespace inferlab_matvec;  // row_products, convert_rows, kRowsW
+
+// Runs fn(b0, b1) over [0, blocks) on torch's threads, in chunks taken from a shared counter
+// rather than a fixed share each, so a thread that starts late (another process holds its core:
+// this machine is shared) finds less left to do; the call still waits for it at the end.
+// About 8 chunks per thread: long enough runs that the weights stream linearly (a chunk's
+// start is not prefetched), enough of them to even out a late thread; a multiple of 4 blocks
+// (16 columns), so two threads never write the same 64-byte line of y (false sharing).
+template <typename F>
+void for_block_chunks(int64_t blocks, const F& fn) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunk = (std::max<int64_t>(1, blocks / (8 * threads)) + 3) / 4 * 4;
+  const int64_t tasks = std::min<int64_t>(threads, (blocks + chunk - 1) / chunk);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
+    for (int64_t b0; (b0 = next.fetch_add(chunk, std::memory_order_relaxed)) < blocks;)
+      fn(b0, std::min(blocks, b0 + chunk));
+  });
+}
 
 // The decode path: y = x @ w^T (* scale) (+ bias) with our micro-kernel; wsum (int8 weights'
 // group corrections, given only on the AVX-512 variant) takes int8 to vpdpbusd.
@@ -58,23 +82,53 @@ void small_m(const float* x, int64_t M, int64_t K, const T* w, int64_t N, const 
 #endif
     row_products(x, M, K, w, n0, n1 - n0, scale, bias, buf.data(), out.data(), y + n0, N);
   };
-  // Threads take chunks of blocks from a shared counter rather than a fixed share each, so a
-  // thread that starts late (another process holds its core: this machine is shared) finds less
-  // left to do; the call still waits for it to arrive at the end of the parallel region.
-  // About 8 chunks per thread: long enough runs that the weights stream linearly (a chunk's
-  // start is not prefetched), enough of them to even out a late thread; a multiple of 4 blocks
-  // (16 columns), so two threads never write the same 64-byte line of y (false sharing).
-  const int64_t threads = at::get_num_threads();
-  const int64_t chunk = (std::max<int64_t>(1, blocks / (8 * threads)) + 3) / 4 * 4;
-  const int64_t tasks = std::min<int64_t>(threads, (blocks + chunk - 1) / chunk);
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
+  for_block_chunks(blocks, [&](int64_t b0, int64_t b1) {
     thread_local std::vector<float> buf, out;  // per pool thread, grown once; filled before use
     if (buf.size() < static_cast<size_t>(kRowsW * K)) buf.resize(kRowsW * K);
     if (out.size() < static_cast<size_t>(kRowsW * M)) out.resize(kRowsW * M);
-    for (int64_t b0; (b0 = next.fetch_add(chunk, std::memory_order_relaxed)) < blocks;)
-      run(b0, std::min(blocks, b0 + chunk), buf, out);
+    run(b0, b1, buf, out);
   });
+}
+
+// The decode path for 4-bit weights: x quantized once (q4.h), then blocks of rows over threads.
+void small_m_q4(const float* x, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* dm, int64_t N,
+                const float* bias, float* y) {
+  // The calling thread's, grown once. The pool threads read it through this reference: the name
+  // of a thread_local in the lambda would be each pool thread's own (empty) one.
+  thread_local inferlab_q4::Q4X mine;
+  inferlab_q4::Q4X& xq = mine;
+  inferlab_q4::quantize_x(x, M, K, xq);
+  for_block_chunks((N + kRowsW - 1) / kRowsW, [&](int64_t b0, int64_t b1) {
+    const int64_t n0 = b0 * kRowsW, n1 = std::min(N, b1 * kRowsW);
+    inferlab_q4::row_products_q4(xq, codes, dm, n0, n1 - n0, bias, y + n0, N);
+  });
+}
+
+// The prefill path for 4-bit weights: tiles dequantized to float32, then oneDNN's bf16 GEMM on
+// the AVX-512 variant (as int8's) or at::mm on AVX2 (as 16-bit weights').
+void large_m_q4(const at::Tensor& x2, const uint8_t* codes, const uint16_t* dm, int64_t N, int64_t K,
+                const std::optional<at::Tensor>& bias, at::Tensor& y) {
+  const int64_t tile = std::min<int64_t>(N, std::max<int64_t>(64, (int64_t{4} << 20) / K));
+  at::Tensor wt = at::empty({tile, K}, x2.options());
+  float* wt_p = wt.data_ptr<float>();
+#if defined(__AVX512BF16__)
+  const at::Tensor xb = x2.to(at::kBFloat16);
+#endif
+  for (int64_t n0 = 0; n0 < N; n0 += tile) {
+    const int64_t nn = std::min(tile, N - n0);
+    at::parallel_for(0, nn, 16, [&](int64_t r0, int64_t r1) {
+      inferlab_q4::dequantize_rows_q4(codes + (n0 + r0) * (K / 2), dm + (n0 + r0) * (K / 16), r1 - r0, K,
+                                      wt_p + r0 * K);
+    });
+    at::Tensor wn = wt.narrow(0, 0, nn);
+    at::Tensor yn = y.narrow(1, n0, nn);
+#if defined(__AVX512BF16__)
+    yn.copy_(at::linear(xb, wn.to(at::kBFloat16)));
+#else
+    at::mm_out(yn, x2, wn.t());
+#endif
+  }
+  if (bias.has_value()) y.add_(*bias);
 }
 
 // The prefill path: float32 tiles of W (scale folded in) through torch's GEMM.
@@ -192,15 +246,47 @@ at::Tensor linear_w8(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return linear_impl(x, w, scale, bias, mkl_min_rows, wsum);
 }
 
+at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& dm,
+                     const std::optional<at::Tensor>& bias, int64_t mkl_min_rows) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "inferlab linear_w4: x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.is_contiguous(),
+              "inferlab linear_w4: codes must be a contiguous uint8 [N, K / 2] matrix");
+  const int64_t N = codes.size(0), K = codes.size(1) * 2;
+  TORCH_CHECK(K % inferlab_q4::kQ4Group == 0, "inferlab linear_w4: K (", K, ") must be a multiple of 32");
+  TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.numel() == N * (K / 16),
+              "inferlab linear_w4: dm must be contiguous float16 [", N, ", ", K / 32, ", 2]");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "inferlab linear_w4: x must have ", K, " features");
+  const float* bias_p = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "inferlab linear_w4: bias must be a contiguous float32 vector of ", N, " values");
+    bias_p = bias->data_ptr<float>();
+  }
+  at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  std::vector<int64_t> out_sizes(x.sizes().begin(), x.sizes().end());
+  out_sizes.back() = N;
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M > 0 && N > 0) {
+    const uint8_t* cp = codes.data_ptr<uint8_t>();
+    const uint16_t* dp = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
+    if (M >= mkl_min_rows) large_m_q4(x2, cp, dp, N, K, bias, y);
+    else small_m_q4(x2.data_ptr<float>(), M, K, cp, dp, N, bias_p, y.data_ptr<float>());
+  }
+  return y.view(out_sizes);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(inferlab, m) {
   m.def("linear_w16(Tensor x, Tensor w, Tensor? bias=None, int mkl_min_rows=128) -> Tensor");
   m.def("linear_w8(Tensor x, Tensor w, Tensor scale, Tensor? bias=None, int mkl_min_rows=128, "
         "Tensor? row_sums=None) -> Tensor");
+  m.def("linear_w4(Tensor x, Tensor codes, Tensor dm, Tensor? bias=None, int mkl_min_rows=128) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(inferlab, CPU, m) {
   m.impl("linear_w16", &linear_w16);
   m.impl("linear_w8", &linear_w8);
+  m.impl("linear_w4", &linear_w4);
 }
