@@ -15,7 +15,15 @@ from collections.abc import Collection
 from dataclasses import dataclass, fields
 from typing import Any
 
-from inferlab.config import KV_CACHE_DTYPES, WEIGHT_DTYPES, CacheConfig, EngineConfig, LoadConfig, SchedulerConfig
+from inferlab.config import (
+    KV_CACHE_DTYPES,
+    WEIGHT_DTYPES,
+    CacheConfig,
+    EngineConfig,
+    LoadConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 
 __all__ = ["PRECISION", "EngineArgs", "parse_size"]
 
@@ -68,6 +76,8 @@ class EngineArgs:
     heap_trim_interval_s: float | None = 5.0
     hf_config_path: str | None = None
     device: str = "cpu"
+    # Speculative decoding: a dict or its JSON text, e.g. {"method": "ngram", "num_speculative_tokens": 4}.
+    speculative_config: dict[str, Any] | str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """The frozen EngineConfig (its dataclasses validate every value: one ValueError naming it)."""
@@ -83,6 +93,7 @@ class EngineArgs:
                                       long_prefill_token_threshold=self.long_prefill_token_threshold),
             num_threads=self.num_threads,
             heap_trim_interval_s=self.heap_trim_interval_s,
+            speculative=SpeculativeConfig.parse(self.speculative_config),
         )
 
     @staticmethod
@@ -139,4 +150,8 @@ _FLAGS: list[tuple[str, tuple[str, ...], dict[str, Any]]] = [
                "(default 5; a negative value turns it off)")),
     ("hf_config_path", ("--hf-config-path",), dict(default=None, help="a config.json for --load-format dummy")),
     ("device", ("--device",), dict(default=_D.device, help="torch device (default cpu)")),
+    ("speculative_config", ("--speculative-config",),
+     dict(default=None, metavar="JSON",
+          help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+               '"prompt_lookup_min": 2}\' (greedy requests only; the output is unchanged)')),
 ]

@@ -60,7 +60,8 @@ class LLMEngine:
             self.scheduler_config = dataclasses.replace(self.scheduler_config, max_num_batched_tokens=max_len)
         self.cache_config = config.cache
         self.config = dataclasses.replace(config, scheduler=self.scheduler_config)
-        self.scheduler = Scheduler(self.scheduler_config, config.cache, self.num_blocks)
+        self.speculative_config = config.speculative
+        self.scheduler = self._new_scheduler()
         self.eos_token_ids = tuple(
             sorted(set(self.model_config.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ()))
         )
@@ -89,7 +90,11 @@ class LLMEngine:
         self.add_request("inferlab-warm-up", prompt, params)
         while self.has_unfinished_requests():
             self.step()
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.num_blocks)
+        self.scheduler = self._new_scheduler()
+
+    def _new_scheduler(self) -> Scheduler:
+        return Scheduler(self.scheduler_config, self.cache_config, self.num_blocks,
+                         speculative_config=self.speculative_config)
 
     @property
     def max_model_len(self) -> int:
@@ -115,6 +120,7 @@ class LLMEngine:
                          "prefix_caching": self.cache_config.enable_prefix_caching},  # fmt: skip
             "kernels": kernels_build.kernel_info().as_dict(),
             "device": str(self.runner.device),
+            "speculative": dataclasses.asdict(self.speculative_config) if self.speculative_config else None,
         }
 
     @property
