@@ -172,6 +172,12 @@ class KVCacheManager:
             self._cache_full_blocks(request, req_blocks, min(total, request.num_tokens))
         return new_blocks
 
+    def num_free_slots(self, request: Request) -> int:
+        """Tokens the request could add after its computed ones without anyone's blocks: the
+        rest of its own blocks plus every free block (cached-but-free ones are evictable)."""
+        held = len(self.req_to_blocks.get(request.request_id, ())) * self.block_size
+        return max(held - request.num_computed_tokens, 0) + self.block_pool.num_free_blocks * self.block_size
+
     def trim(self, request: Request, num_tokens: int) -> None:
         """Keep only the blocks that hold the request's first `num_tokens` tokens and free the
         rest (speculative decoding's rollback of rejected drafts). Never frees a cached block:

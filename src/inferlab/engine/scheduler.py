@@ -260,12 +260,14 @@ class Scheduler:
         """Drafts for a decode, or []: greedy requests only (verification by argmax keeps their
         output exact; temperature > 0 needs rejection sampling, not done yet), none while
         penalties or a pending min_tokens make the target depend on the tokens before it, and
-        no more than the budget, max_tokens and the context window leave room for."""
+        no more than the budget, max_tokens, the context window and the free blocks leave room
+        for (a guess never preempts anyone)."""
         assert self.proposer is not None
         params = request.sampling_params
         if not params.greedy or params.has_penalties or request.num_output_tokens < params.min_tokens:
             return []
-        room = min(budget - 1, self._max_len(request) - request.num_tokens - 1)
+        room = min(budget - 1, self._max_len(request) - request.num_tokens - 1,
+                   self.kv_cache_manager.num_free_slots(request) - 1)
         if params.max_tokens is not None:
             room = min(room, params.max_tokens - request.num_output_tokens - 1)
         if room <= 0:
