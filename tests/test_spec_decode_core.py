@@ -269,3 +269,40 @@ def test_drafts_never_preempt_anyone():
     so = sched.schedule()  # position 12 needs a 4th block: none, and no one else to preempt but r
     assert so.is_empty or so.scheduled[0].num_draft_tokens == 0
     assert sched.num_preemptions <= 1
+
+
+# ---------------------------------------------------------------- /metrics
+
+
+def test_metrics_under_vllms_names():
+    from inferlab.engine.outputs import SchedulerStats
+    from inferlab.server.metrics import ServerMetrics
+
+    class Engine:
+        model_name = "m"
+        max_model_len = 64
+        speculative_config = SPEC
+
+        def get_stats(self):
+            return SchedulerStats()
+
+    m = ServerMetrics()
+    m.on_ready(Engine())
+    m.on_stats(SchedulerStats(spec_num_drafts=3, spec_num_draft_tokens=9, spec_num_accepted_tokens=4,
+                              spec_accepted_per_pos=(2, 2, 0, 0)))
+    m.on_stats(SchedulerStats(spec_num_drafts=4, spec_num_draft_tokens=13, spec_num_accepted_tokens=5,
+                              spec_accepted_per_pos=(3, 2, 0, 0)))
+    text = m.render().decode()
+    labels = 'engine="0",model_name="m"'
+    assert f"vllm:spec_decode_num_drafts_total{{{labels}}} 4.0" in text
+    assert f"vllm:spec_decode_num_draft_tokens_total{{{labels}}} 13.0" in text
+    assert f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} 5.0" in text
+    assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="0"}} 3.0' in text
+    assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="3"}} 0.0' in text
+
+    class Plain(Engine):
+        speculative_config = None
+
+    plain = ServerMetrics()
+    plain.on_ready(Plain())
+    assert "spec_decode" not in plain.render().decode()
