@@ -306,3 +306,57 @@ def test_metrics_under_vllms_names():
     plain = ServerMetrics()
     plain.on_ready(Plain())
     assert "spec_decode" not in plain.render().decode()
+
+
+def test_fuzz_invariants_with_drafts():
+    """Random prompts over a small vocabulary (n-grams recur), a small pool (preemption), random
+    verdicts: the pool stays consistent, every cached block is a block of real tokens, and a
+    decoding request has computed all its tokens but the last."""
+    import random
+
+    rng = random.Random(5)
+    accepted = rejected = preempted = 0
+    for trial in range(20):
+        block = rng.choice([2, 4, 8])
+        # A pool of at least one request's 64 tokens (the engine caps max_model_len to it).
+        sched = spec_scheduler(block_size=block, num_blocks=rng.randrange(64 // block, 64 // block + 16),
+                               max_num_batched_tokens=rng.randrange(8, 40), max_model_len=64)
+        reqs = []
+        for i in range(rng.randrange(1, 6)):
+            prompt = [rng.randrange(3, 9) for _ in range(rng.randrange(2, 20))]
+            reqs.append(make_request(f"{trial}-{i}", prompt, max_tokens=rng.randrange(1, 30),
+                                     stop_token_ids=[8] if rng.random() < 0.3 else []))
+            sched.add_request(reqs[-1])
+        for _ in range(400):
+            if not sched.has_unfinished_requests():
+                break
+            so = sched.schedule()
+            assert so.num_scheduled_tokens <= sched.config.max_num_batched_tokens
+            yields = {}
+            for s in so.scheduled:
+                if s.num_draft_tokens:
+                    a = rng.randrange(s.num_draft_tokens + 1)
+                    yields[s.request_id] = s.draft_token_ids[:a] + [rng.randrange(3, 9)]
+            ids = [s.request_id for s in so.scheduled if s.sample]
+            sched.update_from_output(so, ModelRunnerOutput(ids, [rng.randrange(3, 9) for _ in ids],
+                                                           spec_token_ids=yields))
+            pool = sched.kv_cache_manager.block_pool
+            pool.check_integrity()
+            real: set[int] = set()
+            for r in reqs:
+                real |= real_prefix_hashes(r, block)
+            assert set(pool.cached_blocks) <= real
+            for r in sched.running:
+                if r.num_output_tokens:
+                    assert r.num_computed_tokens == r.num_tokens - 1 or r.num_computed_tokens < r.num_prompt_tokens
+                held = len(sched.kv_cache_manager.get_block_ids(r.request_id))
+                assert held == -(-r.num_computed_tokens // block) or held * block >= r.num_computed_tokens
+        assert not sched.has_unfinished_requests()
+        assert sched.kv_cache_manager.num_free_blocks == sched.kv_cache_manager.num_blocks
+        for r in reqs:
+            assert r.num_output_tokens <= r.sampling_params.max_tokens
+        st = sched.get_stats()
+        accepted += st.spec_num_accepted_tokens
+        rejected += st.spec_num_draft_tokens - st.spec_num_accepted_tokens
+        preempted += st.num_preemptions
+    assert accepted and rejected and preempted  # the fuzz reached every path

@@ -314,7 +314,9 @@ class Scheduler:
             if request is None or request.is_finished or request.status is not RequestStatus.RUNNING:
                 continue
             k = num_drafts.get(rid, 0)
-            tokens = spec_tokens[rid] if k else [runner_output.sampled_token_ids[idx]]
+            # A runner that did not verify (none of ours) leaves only the first token: no draft accepted.
+            sampled = runner_output.sampled_token_ids[idx]
+            tokens = (spec_tokens.get(rid) or [sampled]) if k else [sampled]
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
