@@ -109,6 +109,7 @@ class LLMEngine:
             "max_model_len": self.max_model_len,
             "max_num_seqs": self.scheduler_config.max_num_seqs,
             "max_num_batched_tokens": self.scheduler_config.max_num_batched_tokens,
+            "speculative": dataclasses.asdict(self.speculative_config) if self.speculative_config else None,
             "precision": {
                 "compute": dtype_name(model.dtype),
                 "weights": dtype_name(model.weight_dtype),
@@ -120,7 +121,6 @@ class LLMEngine:
                          "prefix_caching": self.cache_config.enable_prefix_caching},  # fmt: skip
             "kernels": kernels_build.kernel_info().as_dict(),
             "device": str(self.runner.device),
-            "speculative": dataclasses.asdict(self.speculative_config) if self.speculative_config else None,
         }
 
     @property
