@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from inferlab.config import CacheConfig, SchedulerConfig
+from inferlab.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from inferlab.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from inferlab.engine.request import Request, SamplingParams
 from inferlab.engine.scheduler import Scheduler
@@ -86,6 +86,7 @@ def make_scheduler(
     num_blocks: int = 64,
     enable_prefix_caching: bool = True,
     clock: FakeClock | None = None,
+    speculative_config: SpeculativeConfig | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -98,6 +99,7 @@ def make_scheduler(
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
         num_blocks,
         clock=clock or FakeClock(),
+        speculative_config=speculative_config,
     )
 
 

@@ -7,7 +7,8 @@ No module reads the environment on its own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -134,6 +135,68 @@ class SchedulerConfig:
             )
 
 
+SPECULATIVE_METHODS = ("ngram",)  # vLLM's "draft_model" and our "suffix" are the next slices
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, vLLM's `--speculative-config` shape. Only "ngram" (prompt lookup):
+    draft the K tokens that followed the most recent earlier occurrence of the longest suffix
+    n-gram (prompt_lookup_max down to prompt_lookup_min tokens) of the request's own tokens.
+
+    Greedy requests only in this slice: the drafts are verified by argmax, so the output is the
+    same tokens as without; a request with temperature > 0 (or penalties, or min_tokens still
+    pending) is decoded one token per step, never from a changed distribution.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # K: drafts per request and step
+    prompt_lookup_max: int = 4  # longest suffix n-gram tried
+    prompt_lookup_min: int = 2  # shortest suffix n-gram accepted
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: unknown method {self.method!r} (known: {', '.join(SPECULATIVE_METHODS)})")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer in "
+                             f"1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def parse(cls, spec: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """A JSON object (the flag's text) or a dict → the config; None or "" → None. One
+        ValueError naming what is wrong: malformed JSON, an unknown key, a bad value."""
+        if spec is None or isinstance(spec, SpeculativeConfig):
+            return spec
+        if isinstance(spec, str):
+            if not spec.strip():
+                return None
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON ({e.msg} at character {e.pos}): {spec!r}") from None
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(spec).__name__}")
+        if "method" not in spec:
+            raise ValueError(f"speculative_config needs a method (known: {', '.join(SPECULATIVE_METHODS)})")
+        if "num_speculative_tokens" not in spec:
+            raise ValueError(f"speculative_config needs num_speculative_tokens (1..{MAX_SPECULATIVE_TOKENS})")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(map(repr, unknown))} "
+                             f"(known: {', '.join(sorted(known))})")
+        return cls(**spec)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, grouped by concern."""
@@ -149,6 +212,7 @@ class EngineConfig:
     # "model" | "openai", and a parsed --override-generation-config over them.
     sampling_defaults: str = "model"
     override_generation_config: dict[str, float | int] = field(default_factory=dict)
+    speculative: SpeculativeConfig | None = None  # None: one token per request and step
 
     def __post_init__(self) -> None:
         if self.sampling_defaults not in ("model", "openai"):

@@ -15,7 +15,15 @@ from collections.abc import Collection
 from dataclasses import dataclass, fields
 from typing import Any
 
-from inferlab.config import KV_CACHE_DTYPES, WEIGHT_DTYPES, CacheConfig, EngineConfig, LoadConfig, SchedulerConfig
+from inferlab.config import (
+    KV_CACHE_DTYPES,
+    WEIGHT_DTYPES,
+    CacheConfig,
+    EngineConfig,
+    LoadConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from inferlab.engine.generation_config import SAMPLING_DEFAULT_MODES, parse_override
 
 __all__ = ["PRECISION", "EngineArgs", "parse_size"]
@@ -71,6 +79,8 @@ class EngineArgs:
     device: str = "cpu"
     sampling_defaults: str = "model"  # "model": the model's file, else llama.cpp's (GGUF) / OpenAI's; "openai"
     override_generation_config: dict[str, Any] | str | None = None  # JSON or dict over the model's defaults
+    # Speculative decoding: a dict or its JSON text, e.g. {"method": "ngram", "num_speculative_tokens": 4}.
+    speculative_config: dict[str, Any] | str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """The frozen EngineConfig (its dataclasses validate every value: one ValueError naming it)."""
@@ -88,6 +98,7 @@ class EngineArgs:
             heap_trim_interval_s=self.heap_trim_interval_s,
             sampling_defaults=self.sampling_defaults,
             override_generation_config=parse_override(self.override_generation_config),
+            speculative=SpeculativeConfig.parse(self.speculative_config),
         )
 
     @staticmethod
@@ -155,4 +166,8 @@ _FLAGS: list[tuple[str, tuple[str, ...], dict[str, Any]]] = [
      dict(default=None, metavar="JSON",
           help='sampling defaults over the model\'s, e.g. \'{"temperature": 0.5, "top_k": 20}\' '
                "(temperature, top_p, top_k, min_p, repetition_penalty)")),
+    ("speculative_config", ("--speculative-config",),
+     dict(default=None, metavar="JSON",
+          help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+               '"prompt_lookup_min": 2}\' (greedy requests only; the output is unchanged)')),
 ]

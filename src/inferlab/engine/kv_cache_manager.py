@@ -167,8 +167,34 @@ class KVCacheManager:
         block_ids.extend(blk.block_id for blk in new_blocks)
 
         if self.enable_caching:
-            self._cache_full_blocks(request, req_blocks, total)
+            # Only blocks of real tokens enter the cache: draft tokens past num_tokens may be
+            # rejected, and their K/V must never be served to another prompt.
+            self._cache_full_blocks(request, req_blocks, min(total, request.num_tokens))
         return new_blocks
+
+    def num_free_slots(self, request: Request) -> int:
+        """Tokens the request could add after its computed ones without anyone's blocks: the
+        rest of its own blocks plus every free block (cached-but-free ones are evictable)."""
+        held = len(self.req_to_blocks.get(request.request_id, ())) * self.block_size
+        return max(held - request.num_computed_tokens, 0) + self.block_pool.num_free_blocks * self.block_size
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Keep only the blocks that hold the request's first `num_tokens` tokens and free the
+        rest (speculative decoding's rollback of rejected drafts). Never frees a cached block:
+        those hold real tokens only, all before `num_tokens`."""
+        rid = request.request_id
+        blocks = self.req_to_blocks.get(rid)
+        if not blocks:
+            return
+        keep = -(-num_tokens // self.block_size)
+        if keep >= len(blocks):
+            return
+        if keep < self._num_cached_blocks.get(rid, 0):
+            raise ValueError(f"trim of {rid!r} to {num_tokens} tokens would free a cached block")
+        tail = blocks[keep:]
+        del blocks[keep:]
+        del self._req_to_block_ids[rid][keep:]  # in place: the runner holds this list
+        self.block_pool.free_blocks(reversed(tail))
 
     def _cache_full_blocks(self, request: Request, req_blocks: list[KVBlock], num_known_tokens: int) -> None:
         rid = request.request_id

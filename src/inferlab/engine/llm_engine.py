@@ -63,7 +63,8 @@ class LLMEngine:
             self.scheduler_config = dataclasses.replace(self.scheduler_config, max_num_batched_tokens=max_len)
         self.cache_config = config.cache
         self.config = dataclasses.replace(config, scheduler=self.scheduler_config)
-        self.scheduler = Scheduler(self.scheduler_config, config.cache, self.num_blocks)
+        self.speculative_config = config.speculative
+        self.scheduler = self._new_scheduler()
         self.eos_token_ids = tuple(
             sorted(set(self.model_config.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ()))
         )
@@ -92,7 +93,11 @@ class LLMEngine:
         self.add_request("inferlab-warm-up", prompt, params)
         while self.has_unfinished_requests():
             self.step()
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.num_blocks)
+        self.scheduler = self._new_scheduler()
+
+    def _new_scheduler(self) -> Scheduler:
+        return Scheduler(self.scheduler_config, self.cache_config, self.num_blocks,
+                         speculative_config=self.speculative_config)
 
     @property
     def max_model_len(self) -> int:
@@ -117,6 +122,7 @@ class LLMEngine:
             "max_model_len": self.max_model_len,
             "max_num_seqs": self.scheduler_config.max_num_seqs,
             "max_num_batched_tokens": self.scheduler_config.max_num_batched_tokens,
+            "speculative": dataclasses.asdict(self.speculative_config) if self.speculative_config else None,
             "precision": {
                 "compute": dtype_name(model.dtype),
                 "weights": dtype_name(model.weight_dtype),

@@ -3,6 +3,11 @@ samples, and returns a `ModelRunnerOutput`. Knows nothing of queues.
 
 The batch is laid out decodes first, then prefill chunks (see models/attention.py), whatever
 order the scheduler listed the requests in; the output maps back to the scheduler's order.
+
+A request with speculative drafts is laid out as 1 + k decode rows (row j at position
+start + j sees context 0 .. start + j: every row's K/V is written before any row attends), so
+it runs through the very kernels a plain decode does (the whole-step kernel, the paged decode
+attention) and its argmax at each position is the token decoding one at a time would give.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from inferlab.config import CacheConfig, LoadConfig, ModelConfig
 from inferlab.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from inferlab.engine.request import Logprob, TokenLogprobs
 from inferlab.engine.sampler import Sampler
+from inferlab.engine.spec_decode import accept_greedy
 from inferlab.models.attention import (
     TILED_FRESH_MAX,
     AttentionMetadata,
@@ -89,8 +95,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()
-        decodes = [s for s in so.scheduled if len(s.token_ids) == 1]
-        prefills = [s for s in so.scheduled if len(s.token_ids) > 1]
+        decodes = [s for s in so.scheduled if len(s.token_ids) == 1 or s.num_draft_tokens]
+        prefills = [s for s in so.scheduled if len(s.token_ids) > 1 and not s.num_draft_tokens]
         ordered = decodes + prefills
         input_ids, positions, meta, sample_index = self._prepare(decodes, prefills)
         if self.device.type != "cpu":  # the batch is built on the host, then copied over once
@@ -107,13 +113,29 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, sample_index))
         if self.device.type != "cpu":
             logits = logits.cpu()  # the sampler (penalties, seeds, logprobs) runs on the host
-        out = self.sampler(logits, sampled_rows)
+        spec = any(s.num_draft_tokens for s in sampled_rows)
+        # One logits row per position of a request with drafts, one per other sampled request.
+        rows = [s for s in sampled_rows for _ in range(1 + s.num_draft_tokens)] if spec else sampled_rows
+        out = self.sampler(logits, rows)
         # Back to the scheduler's order.
-        by_id = {s.request_id: i for i, s in enumerate(sampled_rows)}
+        by_id: dict[str, int] = {}
+        spec_toks: dict[str, list[int]] = {}
+        spec_lps: dict[str, list[TokenLogprobs | None]] = {}
+        i = 0
+        for s in sampled_rows:
+            by_id[s.request_id] = i
+            if s.num_draft_tokens:
+                n = 1 + s.num_draft_tokens
+                accepted = accept_greedy(s.draft_token_ids, out.token_ids[i : i + n])
+                spec_toks[s.request_id] = accepted
+                if out.logprobs is not None:
+                    spec_lps[s.request_id] = out.logprobs[i : i + len(accepted)]
+            i += 1 + s.num_draft_tokens
         ids = [s.request_id for s in so.scheduled if s.sample]
         toks = [out.token_ids[by_id[r]] for r in ids]
         lps = [out.logprobs[by_id[r]] for r in ids] if out.logprobs is not None else None
-        return ModelRunnerOutput(ids, toks, lps, time.perf_counter() - t0, prompt_lps, prompt_rows or None)
+        return ModelRunnerOutput(ids, toks, lps, time.perf_counter() - t0, prompt_lps, prompt_rows or None,
+                                 spec_toks or None, spec_lps or None)
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, ordered: list[ScheduledRequest]
@@ -181,10 +203,16 @@ class ModelRunner:
         self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         bs = self.block_size
+        if any(s.num_draft_tokens for s in decodes):  # drafts: one decode row per position
+            pairs = [(s, j) for s in decodes for j in range(len(s.token_ids))]
+            decodes = [s for s, _ in pairs]
+            ids = [s.token_ids[j] for s, j in pairs]
+            pos = [s.start_pos + j for s, j in pairs]
+        else:
+            # Decodes (every step, batch 32-64): one comprehension per list, no per-request tensors.
+            ids = [s.token_ids[0] for s in decodes]
+            pos = [s.start_pos for s in decodes]
         nd = len(decodes)
-        # Decodes (every step, batch 32-64): one comprehension per list, no per-request tensors.
-        ids = [s.token_ids[0] for s in decodes]
-        pos = [s.start_pos for s in decodes]
         slots = [s.block_ids[p // bs] * bs + p % bs for s, p in zip(decodes, pos)]
         decode_lens = [p + 1 for p in pos]  # the new token is written before it attends
         for s in prefills:

@@ -209,11 +209,26 @@ class OutputProcessor:
         m.num_cached_tokens = max(m.num_cached_tokens, co.num_cached_tokens)
         m.num_preemptions = max(m.num_preemptions, co.num_preemptions)
         m.num_generated_tokens += len(co.new_token_ids)
+        m.num_draft_tokens += co.num_draft_tokens
+        m.num_accepted_tokens += co.num_accepted_tokens
 
     def _apply_tokens(self, state: _RequestState, seq: _Sequence, co: EngineCoreOutput) -> bool:
         """Append new tokens and text; True if a stop string ended the sequence here."""
         params = state.params
         new = co.new_token_ids
+        if len(new) > 1 and params.stop and seq.detok is not None:
+            # Several tokens in one step (speculative decoding): one at a time, so that a stop
+            # string ends the sequence at the token that completed it, as decoding one token per
+            # step would; the tokens after it are dropped.
+            for j in range(len(new)):
+                last = j == len(new) - 1
+                one = EngineCoreOutput(
+                    co.request_id, new[j : j + 1], co.new_logprobs[j : j + 1] if co.new_logprobs else None,
+                    finish_reason=co.finish_reason if last else None, stop_reason=co.stop_reason if last else None)
+                if self._apply_tokens(state, seq, one):
+                    state.metrics.num_generated_tokens -= len(new) - j - 1
+                    return True
+            return False
         seq.token_ids.extend(new)
         seq.delta_ids.extend(new)
         if co.new_logprobs is not None and seq.logprobs is not None:

@@ -29,6 +29,13 @@ class ScheduledRequest:
     prompt_token_ids: list[int]  # read only: repetition penalty
     output_token_ids: list[int]  # read only: penalties, min_tokens, the seeded generator's offset
     eos_token_ids: tuple[int, ...] = ()  # masked out while fewer than min_tokens are out
+    # Speculative decoding: the last num_draft_tokens of token_ids are drafts (after the last
+    # sampled token): the runner takes logits at every position and verifies them.
+    num_draft_tokens: int = 0
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens :] if self.num_draft_tokens else []
 
 
 @dataclass
@@ -61,6 +68,11 @@ class ModelRunnerOutput:
     # Requests with prompt_logprobs=-1: request id → (position of the first row, float32 numpy
     # array [rows, vocab] of whole log-softmax rows, parallel to that request's entries above).
     prompt_logprob_rows: dict[str, tuple[int, Any]] | None = None
+    # Requests that verified drafts: request id → every token the step yields (the accepted
+    # drafts, then the target's token after them; sampled_token_ids holds the first), and their
+    # logprobs when asked.
+    spec_token_ids: dict[str, list[int]] | None = None
+    spec_logprobs: dict[str, list[TokenLogprobs | None]] | None = None
 
 
 @dataclass
@@ -77,6 +89,8 @@ class EngineCoreOutput:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # drafts this step verified for the request
+    num_accepted_tokens: int = 0  # of them, accepted
 
 
 @dataclass
@@ -91,3 +105,8 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # tokens looked up, cumulative
     prefix_cache_hits: int = 0  # tokens found, cumulative
     num_preemptions: int = 0  # cumulative
+    # Speculative decoding, cumulative (vllm:spec_decode_*); all 0 without it.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()

@@ -250,6 +250,9 @@ class RequestMetrics:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+    # Speculative decoding: drafts verified for this request, and how many were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def queue_ms(self) -> float:
@@ -279,7 +282,8 @@ class RequestMetrics:
         return (self.first_token_time - self.arrival_time) * 1000.0
 
     def timings(self) -> dict[str, Any]:
-        """llama.cpp's `timings` object plus `queue_ms`.
+        """llama.cpp's `timings` object plus `queue_ms` (and, with speculative decoding, its
+        `draft_n` / `draft_n_accepted`).
 
         prompt_n counts the prompt tokens actually computed (cache hits excluded); decode
         rates count the tokens after the first, whose time `predicted_ms` measures.
@@ -288,7 +292,7 @@ class RequestMetrics:
         predicted_n = self.num_generated_tokens
         pms, dms = self.prompt_ms, self.predicted_ms
         decode_tokens = max(predicted_n - 1, 0)
-        return {
+        out = {
             "cache_n": self.num_cached_tokens,
             "prompt_n": prompt_n,
             "prompt_ms": pms,
@@ -300,6 +304,10 @@ class RequestMetrics:
             "predicted_per_second": decode_tokens * 1000.0 / dms if dms > 0 else 0.0,
             "queue_ms": self.queue_ms,
         }
+        if self.num_draft_tokens:  # llama.cpp's names for its speculative decoding
+            out["draft_n"] = self.num_draft_tokens
+            out["draft_n_accepted"] = self.num_accepted_tokens
+        return out
 
 
 @dataclass

@@ -14,6 +14,13 @@ the same rule:
     sample    = (start_pos + num_new == num_tokens)
     limits:     Σ num_new ≤ max_num_batched_tokens;  num_computed + num_new ≤ max_model_len
 
+Speculative decoding is the same rule with k more tokens: a decode (num_computed ==
+num_tokens - 1) may carry k drafts from the proposer, so num_new = 1 + k under the same budget,
+trimmed to what the budget, max_tokens and the context window leave. The runner verifies them;
+`update_from_output` appends the accepted ones and the token after them, then rolls back what
+was rejected: num_computed_tokens counts accepted tokens only and the blocks past them are
+freed. Blocks enter the prefix cache only when full of real tokens (never of drafts).
+
 Invariants:
 - a request is in exactly one of `waiting` (deque, FCFS, WAITING/PREEMPTED) and `running`
   (list, in admission order) until it finishes; then it is in neither and its blocks are freed;
@@ -31,9 +38,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from inferlab.config import CacheConfig, SchedulerConfig
+from inferlab.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from inferlab.engine.block_pool import KVBlock
 from inferlab.engine.kv_cache_manager import KVCacheManager
+from inferlab.engine.ngram_proposer import NgramProposer
 from inferlab.engine.outputs import (
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -41,7 +49,8 @@ from inferlab.engine.outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
-from inferlab.engine.request import Request, RequestStatus
+from inferlab.engine.request import Request, RequestStatus, TokenLogprobs
+from inferlab.engine.spec_decode import SpecDecodeStats
 
 
 class Scheduler:
@@ -53,6 +62,7 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         clock: Callable[[], float] = time.monotonic,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         if scheduler_config.max_model_len is None:
             raise ValueError("the scheduler needs a resolved max_model_len (LLMEngine sets it from the model)")
@@ -68,6 +78,11 @@ class Scheduler:
         # Requests that left since the last schedule(): the runner drops their state.
         self.finished_request_ids: set[str] = set()
         self.num_preemptions = 0  # cumulative
+        self.proposer: NgramProposer | None = None
+        if speculative_config is not None:
+            self.proposer = NgramProposer(speculative_config.num_speculative_tokens,
+                                          speculative_config.prompt_lookup_max, speculative_config.prompt_lookup_min)
+        self.spec_stats = SpecDecodeStats()  # cumulative
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -173,6 +188,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         now = self.clock()
         chosen: list[tuple[Request, int]] = []
+        drafts_of: dict[str, list[int]] = {}
         preempted: set[str] = set()
 
         i = 0
@@ -182,6 +198,15 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            if self.proposer is not None and num_new == 1 and request.num_computed_tokens == request.num_tokens - 1:
+                drafts = self._propose(request, budget)
+                # Drafts only where their blocks are free: never preempt anyone for a guess.
+                if drafts and kv.allocate_slots(request, 1 + len(drafts)) is not None:
+                    drafts_of[request.request_id] = drafts
+                    chosen.append((request, 1 + len(drafts)))
+                    budget -= 1 + len(drafts)
+                    i += 1
+                    continue
             scheduled = True
             while kv.allocate_slots(request, num_new) is None:
                 victim = self.running.pop()
@@ -220,7 +245,8 @@ class Scheduler:
                 chosen.append((request, num_new))
                 budget -= num_new
 
-        scheduled_reqs = [self._make_scheduled(request, num_new) for request, num_new in chosen]
+        scheduled_reqs = [self._make_scheduled(request, num_new, drafts_of.get(request.request_id, []))
+                          for request, num_new in chosen]
         output = SchedulerOutput(
             scheduled=scheduled_reqs,
             num_scheduled_tokens=sum(n for _, n in chosen),
@@ -233,18 +259,38 @@ class Scheduler:
             request.num_computed_tokens += num_new
         return output
 
-    def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _propose(self, request: Request, budget: int) -> list[int]:
+        """Drafts for a decode, or []: greedy requests only (verification by argmax keeps their
+        output exact; temperature > 0 needs rejection sampling, not done yet), none while
+        penalties or a pending min_tokens make the target depend on the tokens before it, and
+        no more than the budget, max_tokens, the context window and the free blocks leave room
+        for (a guess never preempts anyone)."""
+        assert self.proposer is not None
+        params = request.sampling_params
+        if not params.greedy or params.has_penalties or request.num_output_tokens < params.min_tokens:
+            return []
+        room = min(budget - 1, self._max_len(request) - request.num_tokens - 1,
+                   self.kv_cache_manager.num_free_slots(request) - 1)
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - request.num_output_tokens - 1)
+        if room <= 0:
+            return []
+        return self.proposer.propose(request.all_token_ids, room)
+
+    def _make_scheduled(self, request: Request, num_new: int, drafts: list[int]) -> ScheduledRequest:
         start = request.num_computed_tokens
+        end = start + num_new - len(drafts)  # the real tokens end here; drafts follow
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.token_slice(start, start + num_new),
+            token_ids=request.token_slice(start, end) + drafts if drafts else request.token_slice(start, end),
             start_pos=start,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-            sample=start + num_new == request.num_tokens,
+            sample=end == request.num_tokens,
             sampling_params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             eos_token_ids=request.eos_token_ids,
+            num_draft_tokens=len(drafts),
         )
 
     # ------------------------------------------------------------------ after the forward pass
@@ -263,26 +309,50 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         finished: list[Request] = []
         logprobs = runner_output.logprobs
+        spec_tokens = runner_output.spec_token_ids or {}
+        spec_logprobs = runner_output.spec_logprobs or {}
+        num_drafts = {s.request_id: s.num_draft_tokens for s in scheduler_output.scheduled if s.num_draft_tokens}
         for idx, rid in enumerate(runner_output.request_ids):
             request = self.requests.get(rid)
             if request is None or request.is_finished or request.status is not RequestStatus.RUNNING:
                 continue
-            token = runner_output.sampled_token_ids[idx]
-            request.output_token_ids.append(token)
+            k = num_drafts.get(rid, 0)
+            # A runner that did not verify (none of ours) leaves only the first token: no draft accepted.
+            sampled = runner_output.sampled_token_ids[idx]
+            tokens = (spec_tokens.get(rid) or [sampled]) if k else [sampled]
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
-
-            status = self._check_stop(request, token)
+            # In order, up to the first that stops it: nothing after a stop is emitted.
+            status = None
+            new_tokens: list[int] = []
+            for token in tokens:
+                request.output_token_ids.append(token)
+                new_tokens.append(token)
+                status = self._check_stop(request, token)
+                if status is not None:
+                    break
+            if k:
+                self.spec_stats.observe(k, len(tokens) - 1)
             if status is not None:
                 self._finish(request, status)
                 finished.append(request)
-            token_logprobs = logprobs[idx] if logprobs is not None else None
+            elif k and len(tokens) - 1 < k:
+                # Roll back the rejected drafts: their K/V is not the request's.
+                request.num_computed_tokens -= k - (len(tokens) - 1)
+                self.kv_cache_manager.trim(request, request.num_computed_tokens)
+            new_logprobs: list[TokenLogprobs] | None = None
+            if k and rid in spec_logprobs:
+                got = spec_logprobs[rid][: len(new_tokens)]
+                new_logprobs = [lp for lp in got if lp is not None] or None
+            elif logprobs is not None:
+                token_logprobs = logprobs[idx]
+                new_logprobs = [token_logprobs] if token_logprobs is not None else None
             outputs.append(
                 EngineCoreOutput(
                     request_id=rid,
-                    new_token_ids=[token],
-                    new_logprobs=[token_logprobs] if token_logprobs is not None else None,
+                    new_token_ids=new_tokens,
+                    new_logprobs=new_logprobs,
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens or 0,
@@ -290,6 +360,8 @@ class Scheduler:
                     first_token_time=request.first_token_time,
                     last_token_time=request.last_token_time,
                     num_preemptions=request.num_preemptions,
+                    num_draft_tokens=k,
+                    num_accepted_tokens=len(tokens) - 1 if k else 0,
                 )
             )
         self._drop_finished(finished)
@@ -340,6 +412,10 @@ class Scheduler:
             prefix_cache_queries=kv.total_stats.queries,
             prefix_cache_hits=kv.total_stats.hits,
             num_preemptions=self.num_preemptions,
+            spec_num_drafts=self.spec_stats.num_drafts,
+            spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_accepted_per_pos=tuple(self.spec_stats.accepted_per_pos),
         )
 
     def reset_prefix_cache(self) -> int:

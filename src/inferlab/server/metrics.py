@@ -141,6 +141,20 @@ class ServerMetrics:
         self.request_generation_tokens = histogram(
             "vllm:request_generation_tokens", "Number of generation tokens processed.", build_1_2_5_buckets(max_len)
         )
+        self.spec: dict[str, Any] | None = None
+        spec_config = getattr(engine, "speculative_config", None)
+        if spec_config is not None:  # vLLM registers these only with speculative decoding on
+            per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                              "Accepted draft tokens at each draft position.", [*names, "position"], registry=reg)
+            self.spec = {
+                "drafts": counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+                "draft_tokens": counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+                "accepted": counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+                "per_pos": [per_pos.labels(**labels, position=str(j))
+                            for j in range(spec_config.num_speculative_tokens)],
+            }
+            self._last.update(drafts=0, draft_tokens=0, accepted=0)
+            self._last_per_pos = [0] * spec_config.num_speculative_tokens
         self._ready = True
         self.on_stats(stats)
 
@@ -156,10 +170,22 @@ class ServerMetrics:
             ("hits", stats.prefix_cache_hits, self.prefix_cache_hits),
             ("preemptions", stats.num_preemptions, self.num_preemptions),
         ):
-            delta = value - self._last[key]
-            if delta > 0:
-                metric.inc(delta)
-            self._last[key] = max(value, self._last[key])
+            self._inc(key, value, metric)
+        if self.spec is not None:
+            for key, value in (("drafts", stats.spec_num_drafts), ("draft_tokens", stats.spec_num_draft_tokens),
+                               ("accepted", stats.spec_num_accepted_tokens)):
+                self._inc(key, value, self.spec[key])
+            for j, value in enumerate(stats.spec_accepted_per_pos[: len(self._last_per_pos)]):
+                if value > self._last_per_pos[j]:
+                    self.spec["per_pos"][j].inc(value - self._last_per_pos[j])
+                    self._last_per_pos[j] = value
+
+    def _inc(self, key: str, value: int, metric: Any) -> None:
+        """Add the increase of a cumulative total since the last call."""
+        delta = value - self._last[key]
+        if delta > 0:
+            metric.inc(delta)
+        self._last[key] = max(value, self._last[key])
 
     def on_outputs(self, outputs: list[RequestOutput], now: float) -> None:
         """Per step: token counters, TTFT and inter-token gaps; the request histograms at finish."""
