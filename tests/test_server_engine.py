@@ -291,9 +291,17 @@ def test_a_disconnect_during_a_long_prefill_frees_everything(tiny_path):
     prompt = "The scheduler batches requests under one token budget. " * 10  # ~290 tokens
     with _flaky_engine_server(tiny_path, patch) as srv:
         srv.wait_ready()
+        llm = srv.app.state.llm
+        real_abort = llm.abort
+
+        def abort_then_release(request_id: str) -> None:
+            real_abort(request_id)  # queued: the engine drops the request before its next step
+            left.set()  # only now does the held step finish, however late the server noticed
+
+        llm.abort = abort_then_release
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(srv.url("/v1/completions"), json={"prompt": prompt, "max_tokens": 4}, timeout=0.5)
-        left.set()
+        assert left.wait(30), "the server never aborted the request of the client that left"
         _idle_and_clean(srv)
         assert 2 <= seen["steps"] < 280 // 32  # it left in the middle of the prefill
         assert metric(scrape(srv.base_url), "vllm:request_success_total", finished_reason="abort") == 1
