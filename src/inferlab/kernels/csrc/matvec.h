@@ -124,10 +124,7 @@ inline void block_dots(const float* x, int64_t M, int64_t K, const T* w, int nb,
         }
       }
     };
-    int64_t m = 0;
-    for (; m + kRowsX <= M; m += kRowsX) tile(std::integral_constant<int, kRowsX>{}, m);
-    if (M - m == 2) tile(std::integral_constant<int, 2>{}, m);
-    if (M - m == 1) tile(std::integral_constant<int, 1>{}, m);
+    for_row_tiles<kRowsX>(M, tile);
   };
   if (convert) rows(static_cast<const float*>(buf));
   else rows(w);
@@ -252,16 +249,7 @@ inline void row_products(const float* x, int64_t M, int64_t K, const at::BFloat1
         }
       }
     };
-    int64_t m = 0;
-    for (; m + kRowsX16 <= M; m += kRowsX16) tile(std::integral_constant<int, kRowsX16>{}, m);
-    switch (M - m) {
-      case 5: tile(std::integral_constant<int, 5>{}, m); break;
-      case 4: tile(std::integral_constant<int, 4>{}, m); break;
-      case 3: tile(std::integral_constant<int, 3>{}, m); break;
-      case 2: tile(std::integral_constant<int, 2>{}, m); break;
-      case 1: tile(std::integral_constant<int, 1>{}, m); break;
-      default: break;
-    }
+    for_row_tiles<kRowsX16>(M, tile);
     for (int64_t i = 0; i < M; ++i)
       for (int j = 0; j < nb; ++j) {
         const int64_t r = r0 + b + j;
@@ -400,14 +388,7 @@ inline void row_products_i8(const float* x, int64_t M, int64_t K, const int8_t* 
         }
       }
     };
-    int64_t m = 0;
-    for (; m + kRowsXI8 <= M; m += kRowsXI8) tile(std::integral_constant<int, kRowsXI8>{}, m);
-    switch (M - m) {
-      case 3: tile(std::integral_constant<int, 3>{}, m); break;
-      case 2: tile(std::integral_constant<int, 2>{}, m); break;
-      case 1: tile(std::integral_constant<int, 1>{}, m); break;
-      default: break;
-    }
+    for_row_tiles<kRowsXI8>(M, tile);
     for (int64_t i = 0; i < M; ++i)
       for (int j = 0; j < nb; ++j) {
         const int64_t r = r0 + b + j;

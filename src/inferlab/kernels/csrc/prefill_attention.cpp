@@ -31,6 +31,8 @@
 #include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -48,6 +50,8 @@ namespace {
 
 #ifdef INFERLAB_PREFILL_BF16
 
+using inferlab_simd::exp16;
+
 constexpr int64_t kBk = 128;  // keys per block: S is rows x kBk floats (L2-resident); 256 measured no better
 
 // Query positions per task: ~192 rows of Q once the G heads are stacked (brgemm's M); measured
@@ -60,24 +64,6 @@ inline uint16_t to_bf16(float f) {  // round to nearest even, as vcvtneps2bf16 d
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN stays NaN
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
-}
-
-// exp on 16 floats: the range reduction and polynomial of simd.h's exp8, on 512-bit registers.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
 // One row of d values to bf16 (round to nearest even), 16 at a time.

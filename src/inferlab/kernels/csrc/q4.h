@@ -23,6 +23,8 @@
 
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -274,16 +276,7 @@ inline void row_products_q4(const Q4X& xq, const uint8_t* codes, const uint16_t*
       }
       emit(m, MB);
     };
-    int64_t m = 0;
-    for (; m + kRowsXQ4 <= M; m += kRowsXQ4) tile(std::integral_constant<int, kRowsXQ4>{}, m);
-    switch (M - m) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-      case 3: tile(std::integral_constant<int, 3>{}, m); break;
-      case 2: tile(std::integral_constant<int, 2>{}, m); break;
-#endif
-      case 1: tile(std::integral_constant<int, 1>{}, m); break;
-      default: break;
-    }
+    inferlab_simd::for_row_tiles<kRowsXQ4>(M, tile);
   }
 }
 

@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace inferlab_simd {
 
@@ -52,6 +53,44 @@ inline __m256 exp8(__m256 x) {
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+#if defined(__AVX512F__)
+// exp16: exp8 on 512-bit registers (the avx512 variant).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+#endif
+
+// Runs tile(std::integral_constant<int, MB>{}, m) over the M rows of x in blocks of Max rows
+// (the micro-kernel's register budget), then once over the MB = M % Max rows left: each tile size
+// a compile-time constant, so its accumulators stay in registers.
+template <int N, typename F>
+inline void tail_tile(int64_t rest, int64_t m, F& tile) {
+  if constexpr (N > 0) {
+    if (rest == N) tile(std::integral_constant<int, N>{}, m);
+    else tail_tile<N - 1>(rest, m, tile);
+  }
+}
+
+template <int Max, typename F>
+inline void for_row_tiles(int64_t M, F&& tile) {
+  int64_t m = 0;
+  for (; m + Max <= M; m += Max) tile(std::integral_constant<int, Max>{}, m);
+  tail_tile<Max - 1>(M - m, m, tile);
 }
 
 }  // namespace inferlab_simd
