@@ -64,7 +64,7 @@ def main() -> None:
         vals = [fn(s + 1) for s in range(args.runs)]
         rows.append((name, statistics.median(vals), min(vals), max(vals)))
     load = os.getloadavg()
-    print(f"model: {llm.engine.model_name}  dtype: {llm.engine.runner.dtype}  threads: {torch.get_num_threads()}  "
+    print(f"model: {llm.engine.model_name}  {llm.engine.precision.describe()}  threads: {torch.get_num_threads()}  "
           f"load avg: {load[0]:.2f} {load[1]:.2f}")
     print(f"{'figure':<50} {'median':>10} {'min':>10} {'max':>10}")
     for name, med, lo, hi in rows:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -85,6 +86,17 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
         time.sleep(0.2)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(5)
+
+
+def server_info(base_url: str) -> dict[str, Any] | None:
+    """inferlab's `GET /server_info`: what the engine resolved (its precision, kernels, KV
+    blocks), so that no figure guesses it from the flags the server was started with; None from
+    a server that has no such route (llama-server, vLLM) or does not answer."""
+    try:
+        r = httpx.get(base_url + "/server_info", timeout=10)
+        return r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
 
 
 @dataclass

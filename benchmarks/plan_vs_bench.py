@@ -12,9 +12,10 @@ Order, so that nothing measures while something else runs: (1) `inferlab simulat
 random prompts of --input-len tokens, exactly --output-len tokens each), server stopped,
 (4) `inferlab plan` and `inferlab simulate` per concurrency (arithmetic, no timing).
 
-The engine computes in float32 on a CPU without native bf16 (dtype auto), so the plan is told
-fp32 weights, KV and compute. Each measurement line records the 1-minute load average: on a
-shared machine a figure taken above ~2.5 on 2 cores is suspect and worth a rerun.
+The server stores float32 weights (`--weight-dtype float32`, as the calibration); the plan is told
+the weights, K/V and products dtypes the server reports at GET /server_info, and the simulator
+its KV blocks, so neither guesses what "auto" became. Each measurement line records the 1-minute
+load average: on a shared machine a figure taken above ~2.5 on 2 cores is suspect and worth a rerun.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from harness import CpuWatch, free_port, served
+from harness import CpuWatch, free_port, served, server_info
 
 TARGET = 0.25  # |predicted / measured − 1| the simulator aims at after calibration
 
@@ -107,16 +109,31 @@ def model_path(model: str | None) -> str:
     return str(resolve_model(model).path)
 
 
-def kv_blocks(model_file: str, block_size: int = 16, budget: int = 1 << 30, elem_bytes: int = 4) -> int:
-    """The server's KV blocks: its default 1 GiB CPU budget over fp32 K/V (engine/model_runner.py)."""
-    from inferlab.plan.model_spec import load_model_spec
+@dataclass(frozen=True)
+class Served:
+    """What the server resolved, from its GET /server_info: the plan's precisions and the
+    simulator's KV blocks."""
 
-    m = load_model_spec(model_file)
-    return budget // (2 * m.num_layers * m.num_kv_heads * m.head_dim * elem_bytes * block_size)
+    weights: str  # the plan's --weight-dtype
+    kv: str  # the plan's --kv-dtype
+    compute: str  # the roofline's compute precision: the dtype the products multiply in
+    num_blocks: int
+
+    @classmethod
+    def from_info(cls, info: dict | None) -> Served:
+        if not info or "precision" not in info or "kv_cache" not in info:
+            raise RuntimeError("the server reported no precision at GET /server_info")
+        p = info["precision"]
+        return cls(p["weights"], p["kv_cache"], "bf16" if p.get("products") == "bfloat16" else "fp32",
+                   int(info["kv_cache"]["num_blocks"]))
+
+    def shown(self) -> str:
+        return f"{self.weights} weights, {self.kv} K/V, {self.compute} products, {self.num_blocks} KV blocks"
 
 
-def measure(args: argparse.Namespace, work: Path, log: Log) -> dict[int, list[dict]]:
-    """--repeats bench runs per concurrency against one server; their summaries by concurrency.
+def measure(args: argparse.Namespace, work: Path, log: Log) -> tuple[dict[int, list[dict]], Served]:
+    """--repeats bench runs per concurrency against one server; their summaries by concurrency,
+    and what the server resolved.
 
     Repeats, because on a small shared VM two quiet runs of the same level still differ by
     10-20% (the host's speed drifts, unseen from inside). A run while other processes took more than --max-other of the CPU is run again
@@ -127,6 +144,8 @@ def measure(args: argparse.Namespace, work: Path, log: Log) -> dict[int, list[di
     log.cmd(cmd)
     out: dict[int, list[dict]] = {}
     with served(cmd, f"http://127.0.0.1:{port}", work / "server.log", timeout_s=300) as server:
+        resolved = Served.from_info(server_info(server.base_url))
+        log.note(f"the server reports: {resolved.shown()}")
         # Round-robin over the levels: the machine's speed drifts over minutes, and each level
         # should see the same mix of fast and slow moments.
         for rep, c in ((r, c) for r in range(args.repeats) for c in args.concurrency):
@@ -154,26 +173,28 @@ def measure(args: argparse.Namespace, work: Path, log: Log) -> dict[int, list[di
                 if not disturbed:
                     break
             out.setdefault(c, []).append(best[1])
-    return out
+    return out, resolved
 
 
-def plan_efficiencies(model_file: str, hw: str, profile: str, args: argparse.Namespace) -> tuple[float, float]:
+def plan_efficiencies(model_file: str, hw: str, profile: str, args: argparse.Namespace,
+                      resolved: Served) -> tuple[float, float]:
     """The roofline efficiencies that make the plan match the calibrated cost (see cost_model)."""
     from inferlab.plan.cost_model import fit_linear, load_profile, roofline_efficiencies
     from inferlab.plan.hardware import load_hardware_file
     from inferlab.plan.model_spec import load_model_spec
     from inferlab.plan.roofline import Roofline
 
-    peak = Roofline(load_model_spec(model_file), load_hardware_file(hw), "fp32", "fp32", compute_precision="fp32")
+    peak = Roofline(load_model_spec(model_file), load_hardware_file(hw), resolved.weights, resolved.kv,
+                    compute_precision=resolved.compute)
     cost = fit_linear(load_profile(profile))
     return roofline_efficiencies(cost, peak, context=args.input_len + args.output_len / 2)
 
 
-def plan_figures(c: int, model_file: str, hw: str, args: argparse.Namespace, log: Log,
+def plan_figures(c: int, model_file: str, hw: str, args: argparse.Namespace, log: Log, resolved: Served,
                  efficiencies: tuple[float, float] | None = None) -> dict[str, float]:
-    cmd = inferlab("plan", "--model", model_file, "--hardware-file", hw, "--weight-dtype", "fp32", "--kv-dtype", "fp32",
-                   "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--concurrency", str(c),
-                   "--json")
+    cmd = inferlab("plan", "--model", model_file, "--hardware-file", hw, "--weight-dtype", resolved.weights,
+                   "--kv-dtype", resolved.kv, "--compute-dtype", resolved.compute, "--input-len", str(args.input_len),
+                   "--output-len", str(args.output_len), "--concurrency", str(c), "--json")
     if efficiencies is not None:
         cmd += ["--memory-efficiency", f"{efficiencies[0]:.4f}", "--compute-efficiency", f"{efficiencies[1]:.4f}"]
     doc = json.loads(run(cmd, log, capture=True))
@@ -294,13 +315,13 @@ def main() -> int:
     log.note(f"CPU profile: {hw_doc['memory_bandwidth'] / 1e9:.1f} GB/s, "
              + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in hw_doc["flops"].items()))
 
-    meas = measure(args, work, log)
-    blocks = kv_blocks(model_file)
-    plan = {c: plan_figures(c, model_file, hw, args, log) for c in args.concurrency}
-    eff = plan_efficiencies(model_file, hw, profile, args)
+    meas, resolved = measure(args, work, log)
+    blocks = resolved.num_blocks
+    plan = {c: plan_figures(c, model_file, hw, args, log, resolved) for c in args.concurrency}
+    eff = plan_efficiencies(model_file, hw, profile, args, resolved)
     log.note(f"plan, calibrated: --memory-efficiency {eff[0]:.3f} --compute-efficiency {eff[1]:.3f} (the roofline "
              "matched to the fitted cost's lone decode and prefill token)")
-    plan_cal = {c: plan_figures(c, model_file, hw, args, log, eff) for c in args.concurrency}
+    plan_cal = {c: plan_figures(c, model_file, hw, args, log, resolved, eff) for c in args.concurrency}
     sim = {c: simulate_summary(c, model_file, profile, blocks, args, log) for c in args.concurrency}
 
     lines, sim_ratios = table(args.concurrency, plan, plan_cal, sim, meas)
@@ -310,14 +331,15 @@ def main() -> int:
     print()
     print("\n".join(checks))
     if args.markdown:
-        write_markdown(Path(args.markdown), args, lines, checks, log)
+        write_markdown(Path(args.markdown), args, lines, checks, log, resolved)
         print(f"written to {args.markdown}")
     if tmp is not None:
         tmp.cleanup()
     return 0
 
 
-def write_markdown(path: Path, args: argparse.Namespace, lines: list[str], checks: list[str], log: Log) -> None:
+def write_markdown(path: Path, args: argparse.Namespace, lines: list[str], checks: list[str], log: Log,
+                   resolved: Served) -> None:
     body = [
         "# Prediction against measurement: `inferlab plan` / `inferlab simulate` vs `inferlab bench`",
         "",
@@ -325,8 +347,8 @@ def write_markdown(path: Path, args: argparse.Namespace, lines: list[str], check
         f"(ignore_eos), closed loop of c clients, {args.prompts_per_client}×c requests per level, each level "
         f"run {args.repeats} times (the median of the runs is compared; their range in parentheses), "
         f"server with --max-num-seqs {args.max_num_seqs}; {os.cpu_count()} CPU cores. "
-        "plan = roofline on the `--measure-cpu` profile (fp32 weights, KV and compute, as the engine runs "
-        "on this CPU); simulate = the real scheduler with the linear step cost fitted by "
+        f"plan = roofline on the `--measure-cpu` profile at what the server reported ({resolved.shown()}); "
+        "simulate = the real scheduler with the linear step cost fitted by "
         "`inferlab simulate --calibrate-engine`, requests reaching the scheduler "
         f"{args.request_latency_ms:g} ms after they are sent; "
         "plan, calibrated = the same roofline with the memory and compute efficiencies that match the "

@@ -169,11 +169,12 @@ def main() -> None:
         "prefill, 8 x 256 tokens": ([prompt(256) for _ in range(8)], 1, 0),  # a step of 32 clients' prompts
     }
     hw = measure_cpu(array_mib=512, repeats=5)
-    # The compute roof is the rate of the products the model runs: bf16 ones (oneDNN, vdpbf16ps)
-    # where it decided on bf16 products, float32 otherwise.
-    rate = "bf16" if llm.engine.runner.model.bf16_products else "fp32"
+    # The compute roof is the rate of the products the model runs (the engine's precision):
+    # bf16 ones (oneDNN, vdpbf16ps) where it decided on bf16 products, float32 otherwise.
+    precision = llm.engine.precision
+    rate = "bf16" if precision.bf16_products else "fp32"
     roof, wb = roofs(llm, hw.memory_bandwidth, hw.flops[rate], args.steps)
-    print(f"model {llm.engine.model_name}, dtype {llm.engine.runner.dtype}, weights {wb / 1e6:.0f} MB as stored, "
+    print(f"model {llm.engine.model_name}, {precision.describe(llm.engine.model_config)}, weights {wb / 1e6:.0f} MB, "
           f"threads {torch.get_num_threads()}, load avg {os.getloadavg()[0]:.2f}; measured here: "
           f"{hw.memory_bandwidth / 1e9:.1f} GB/s read, {hw.flops[rate] / 1e9:.0f} GFLOP/s {rate} matmul")
     results = {}

@@ -16,6 +16,7 @@ from inferlab.kernels import build
 from inferlab.models import decoder
 from inferlab.models.decoder import DecoderModel
 from inferlab.models.dummy_loader import load_dummy
+from inferlab.models.precision import resolve_precision
 from inferlab.models.testing import tiny_model_config
 
 pytestmark = pytest.mark.skipif(
@@ -49,9 +50,9 @@ def test_bf16_step_gives_the_float32_path_bits(monkeypatch):
     """A 200-token prefill with bf16 weights: hidden states bitwise equal with the bf16 path on
     and off (off: MKL_MIN_ROWS out of reach, so the step converts around every operator as before)."""
     cfg = tiny_model_config("llama", hidden_size=128, intermediate_size=384)
+    cache = CacheConfig(block_size=16, num_blocks_override=32)
     runner = ModelRunner(cfg, load_dummy(cfg, torch.float32).weights,
-                         LoadConfig(dtype="float32", weight_dtype="bfloat16"),
-                         CacheConfig(block_size=16, num_blocks_override=32))
+                         resolve_precision(LoadConfig(dtype="float32", weight_dtype="bfloat16"), cache), cache)
     model: DecoderModel = runner.model
     assert model.bf16_products
     req = ScheduledRequest("r", list(range(3, 203)), 0, list(range(1, 14)), True, SamplingParams(), [], [])

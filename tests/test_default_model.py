@@ -71,9 +71,8 @@ def test_fast_dtypes_agree_with_float32(llm, kw, capsys):
     tokens, or first differ where float32's top two tokens were within 0.25 nats (a near-tie
     at 16 bits' ~3 significant digits). Prints how often and where they part."""
     fast = LLM(None, max_model_len=512, **kw)
-    runner = fast.engine.runner
-    name = {d: str(d).removeprefix("torch.") for d in (runner.dtype, runner.weight_dtype, runner.kv_dtype)}
-    label = f"compute {name[runner.dtype]}, weights {name[runner.weight_dtype]}, KV cache {name[runner.kv_dtype]}"
+    p = fast.engine.precision.as_dict()
+    label = f"compute {p['compute']}, weights {p['weights']}, KV cache {p['kv_cache']}"
     tok = llm.get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     report = []

@@ -22,7 +22,7 @@ from inferlab.kernels import build
 from inferlab.kernels.int4 import GROUP, INT4, Int4Weight, from_gguf, pack, quantize, unpack
 from inferlab.kernels.linear import MKL_MIN_ROWS, Int4Linear, make_linear
 from inferlab.models import decoder
-from inferlab.models.loader import resolve_weight_dtype
+from inferlab.models.precision import resolve_precision
 from inferlab.models.testing import make_tiny_gguf, make_tiny_hf_model
 
 needs_kernels = pytest.mark.skipif(not build.available(), reason=f"kernels unavailable: {build.unavailable_reason()}")
@@ -174,7 +174,7 @@ def test_linear_w4_checks_its_inputs():
 
 
 def test_weight_dtype_int4_resolves_to_the_marker_and_make_linear_builds_int4():
-    assert resolve_weight_dtype(LoadConfig(weight_dtype="int4")) == INT4
+    assert resolve_precision(LoadConfig(weight_dtype="int4")).weights == INT4
     assert isinstance(make_linear(_weight(8, 64), None, INT4, torch.float32), Int4Linear)
     q = quantize(_weight(8, 64))
     assert make_linear(q, None, INT4, torch.float32).q is q  # an Int4Weight is kept as it is
@@ -190,7 +190,9 @@ def tiny(tmp_path_factory):
 
 def _generate(path, monkeypatch, use_step: bool, n_prompts: int = 3, kernels: bool = True):
     monkeypatch.setattr(decoder, "USE_DECODE_STEP", use_step)
-    if not kernels:
+    if not kernels:  # as if the kernels had not loaded: the decision and the linears see the same
+        none = build.KernelInfo("none", (), "off in this test")
+        monkeypatch.setattr(build, "kernel_info", lambda: none)
         monkeypatch.setattr(build, "available", lambda: False)
     steps: list[bool] = []
     real = decoder.DecoderModel._decode_step

@@ -66,24 +66,18 @@ def test_this_process_loaded_what_its_cpu_and_setting_choose(monkeypatch):
         assert info.auto_weight_dtype in ("bfloat16", "float16")
 
 
-def test_the_kernels_are_decided_at_load_not_at_the_first_request(tmp_path, monkeypatch):
-    """The model's construction decides (and builds) the kernels, whatever the dtype: a bf16
-    model would otherwise first ask at its first decode, and that request waited for the compile."""
-    import torch
-    from safetensors.torch import load_file
+def test_the_kernels_are_decided_at_load_not_at_the_first_request(monkeypatch):
+    """The engine's precision, resolved before the weights load, decides (and builds) the kernels
+    whatever the dtype: a bf16 model would otherwise first ask at its first decode, and that
+    request waited for the compile."""
+    from inferlab.config import LoadConfig
+    from inferlab.models.precision import resolve_precision
 
-    from inferlab.models.decoder import DecoderModel
-    from inferlab.models.model_config import model_config_from_hf_dir
-    from inferlab.models.testing import make_tiny_hf_model
-
-    path = make_tiny_hf_model(tmp_path / "m", arch="llama")
-    config = model_config_from_hf_dir(path)
-    weights = load_file(str(path / "model.safetensors"))
     asked = []
     real = build.kernel_info
     monkeypatch.setattr(build, "kernel_info", lambda: asked.append(1) or real())
-    DecoderModel(config, weights, torch.bfloat16)
-    assert asked
+    precision = resolve_precision(LoadConfig(dtype="bfloat16"))
+    assert asked and precision.kernel is real() and not precision.uses_kernels
 
 
 def test_a_pair_without_a_fast_path_says_so_in_one_warning(caplog, tmp_path):

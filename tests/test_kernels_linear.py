@@ -8,12 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import inferlab.models.loader as loader
 from inferlab import LLM, SamplingParams
-from inferlab.config import LoadConfig
+from inferlab.config import CacheConfig, LoadConfig
 from inferlab.kernels import build
 from inferlab.kernels.linear import MKL_MIN_ROWS, DenseLinear, WeightOnlyLinear, make_linear, quantize_int8
-from inferlab.models.loader import resolve_weight_dtype
+from inferlab.models.precision import resolve_precision
 from inferlab.models.testing import make_tiny_hf_model
 
 STORED = [torch.float16, torch.bfloat16, torch.int8]
@@ -201,49 +200,45 @@ def _variant(monkeypatch, variant: str) -> None:
     monkeypatch.setattr(build, "available", lambda: info.available)
 
 
-def test_auto_weight_dtype(monkeypatch):
-    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)  # an AVX2 CPU: float32 compute
-    _variant(monkeypatch, "avx2")
-    assert resolve_weight_dtype(LoadConfig()) == torch.float16
+def _weights(variant: str, native_bf16: bool, **load) -> torch.dtype:
+    """How the weights are stored with these LoadConfig settings, as if on a CPU with `variant`."""
+    return resolve_precision(LoadConfig(**load), kernel=build.KernelInfo(variant, ()), native_bf16=native_bf16).weights
+
+
+def test_auto_weight_dtype():
+    assert _weights("avx2", False) == torch.float16  # an AVX2 CPU: float32 compute
     # An explicit float32 compute keeps float32 weights: the exact-match tests rely on it.
-    assert resolve_weight_dtype(LoadConfig(dtype="float32")) == torch.float32
+    assert _weights("avx2", False, dtype="float32") == torch.float32
     # AVX512-BF16 (the avx512 variant): float32 compute, bf16 weights for vdpbf16ps.
-    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: True)
-    _variant(monkeypatch, "avx512")
-    assert loader.resolve_dtype("auto") == torch.float32
-    assert resolve_weight_dtype(LoadConfig()) == torch.bfloat16
-    assert resolve_weight_dtype(LoadConfig(dtype="float32")) == torch.float32
-    _variant(monkeypatch, "none")  # no kernels: native bf16 computes in bf16, weights as computed
-    assert loader.resolve_dtype("auto") == torch.bfloat16
-    assert resolve_weight_dtype(LoadConfig()) == torch.bfloat16
-    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)  # nor bf16: 16-bit would be slower
-    assert resolve_weight_dtype(LoadConfig()) == torch.float32
+    avx512 = resolve_precision(LoadConfig(), kernel=build.KernelInfo("avx512", ()), native_bf16=True)
+    assert (avx512.compute, avx512.weights, avx512.bf16_products) == (torch.float32, torch.bfloat16, True)
+    assert _weights("avx512", True, dtype="float32") == torch.float32
+    # No kernels: native bf16 computes in bf16, weights as computed.
+    plain = resolve_precision(LoadConfig(), kernel=build.KernelInfo("none", ()), native_bf16=True)
+    assert (plain.compute, plain.weights, plain.uses_kernels) == (torch.bfloat16, torch.bfloat16, False)
+    assert _weights("none", False) == torch.float32  # nor bf16: 16-bit would be slower
 
 
-def test_kv_cache_dtype_auto_follows_the_weights(monkeypatch):
-    from inferlab.config import CacheConfig, LoadConfig
-    from inferlab.models import loader
+def test_kv_cache_dtype_auto_follows_the_weights():
+    def kv(variant: str, cache_dtype: str = "auto", **load) -> torch.dtype:
+        return resolve_precision(LoadConfig(**load), CacheConfig(cache_dtype=cache_dtype),
+                                 kernel=build.KernelInfo(variant, ()), native_bf16=False).kv_cache
 
-    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)  # an AVX2 CPU: float32 compute
-    _variant(monkeypatch, "avx2")
-    assert loader.resolve_kv_dtype(LoadConfig(), CacheConfig()) == torch.float16
-    assert loader.resolve_kv_dtype(LoadConfig(dtype="float32"), CacheConfig()) == torch.float32
-    assert loader.resolve_kv_dtype(LoadConfig(dtype="float32"), CacheConfig(cache_dtype="float16")) == torch.float16
-    _variant(monkeypatch, "avx512")  # bf16 weights, float16 K/V (the attention kernel widens them)
-    assert loader.resolve_kv_dtype(LoadConfig(), CacheConfig()) == torch.float16
-    _variant(monkeypatch, "none")
-    assert loader.resolve_kv_dtype(LoadConfig(), CacheConfig()) == torch.float32
+    assert kv("avx2") == torch.float16  # an AVX2 CPU: float32 compute
+    assert kv("avx2", dtype="float32") == torch.float32
+    assert kv("avx2", "float16", dtype="float32") == torch.float16
+    assert kv("avx512") == torch.float16  # bf16 weights, float16 K/V (the attention kernel widens them)
+    assert kv("none") == torch.float32
     with pytest.raises(ValueError, match="cache_dtype"):
         CacheConfig(cache_dtype="int4")
 
 
-def test_explicit_weight_dtype(monkeypatch):
-    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)
-    assert resolve_weight_dtype(LoadConfig(weight_dtype="int8")) == torch.int8
-    assert resolve_weight_dtype(LoadConfig(dtype="float32", weight_dtype="bfloat16")) == torch.bfloat16
-    assert resolve_weight_dtype(LoadConfig(dtype="bfloat16", weight_dtype="bfloat16")) == torch.bfloat16
+def test_explicit_weight_dtype():
+    assert _weights("avx2", False, weight_dtype="int8") == torch.int8
+    assert _weights("avx2", False, dtype="float32", weight_dtype="bfloat16") == torch.bfloat16
+    assert _weights("avx2", False, dtype="bfloat16", weight_dtype="bfloat16") == torch.bfloat16
     with pytest.raises(ValueError, match="wider than the compute dtype"):
-        resolve_weight_dtype(LoadConfig(dtype="bfloat16", weight_dtype="float32"))
+        _weights("avx2", False, dtype="bfloat16", weight_dtype="float32")
     with pytest.raises(ValueError, match="weight_dtype must be"):
         LoadConfig(weight_dtype="int3")
 
@@ -283,10 +278,11 @@ def test_engine_with_float16_weights_follows_float32(tiny_llama, monkeypatch, us
     if use_kernels and not build.available():
         pytest.skip(f"inferlab CPU kernels unavailable: {build.unavailable_reason()}")
     ref = _greedy(LLM(str(tiny_llama), dtype="float32", num_kv_blocks=64))
-    monkeypatch.setattr(build, "available", lambda: use_kernels)
+    if not use_kernels:
+        _variant(monkeypatch, "none")
     llm = LLM(str(tiny_llama), dtype="float32", weight_dtype="float16", num_kv_blocks=64)
     runner = llm.engine.runner
-    assert runner.weight_dtype == torch.float16
+    assert runner.precision.weights == torch.float16 and runner.precision.uses_kernels is use_kernels
     qkv = runner.model.layers[0].qkv
     assert isinstance(qkv, WeightOnlyLinear) and qkv.weight.dtype == torch.float16
     assert qkv.use_kernels is use_kernels
@@ -299,7 +295,7 @@ def test_engine_with_float16_weights_follows_float32(tiny_llama, monkeypatch, us
 def test_engine_float32_keeps_dense_weights(tiny_llama):
     llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=16)
     model = llm.engine.runner.model
-    assert llm.engine.runner.weight_dtype == torch.float32
+    assert llm.engine.precision.weights == torch.float32
     assert all(isinstance(lin, DenseLinear) for lin in (model.layers[0].qkv, model.layers[0].down, model.lm_head))
     assert model.describe_precision().startswith("weights float32 (F.linear), compute float32")
 
@@ -350,9 +346,9 @@ def test_w8a8_is_int8_x_per_64_values_times_the_codes(m, k):
 def test_w8a8_needs_vnni_and_says_what_this_machine_has(monkeypatch):
     _variant(monkeypatch, "avx2")
     with pytest.raises(ValueError, match=r"w8a8 needs .*\(VNNI\).*kernels are avx2: use one of auto, float32, bfloat16, float16, int8, int4$"):
-        resolve_weight_dtype(LoadConfig(weight_dtype="w8a8"))
+        resolve_precision(LoadConfig(weight_dtype="w8a8"))
     _variant(monkeypatch, "avx512")
-    assert resolve_weight_dtype(LoadConfig(weight_dtype="w8a8")) == torch.int8
+    assert resolve_precision(LoadConfig(weight_dtype="w8a8")).weights == torch.int8
     with pytest.raises(ValueError, match="needs int8 weights"):
         WeightOnlyLinear(_weight(4, 8), torch.float16, int8_activations=True)
 

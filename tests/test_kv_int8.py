@@ -24,9 +24,10 @@ from inferlab import LLM, SamplingParams
 from inferlab.config import CacheConfig, LoadConfig, ModelConfig
 from inferlab.engine.model_runner import num_kv_blocks
 from inferlab.kernels import build
-from inferlab.models import attention, decoder, loader
+from inferlab.models import attention, decoder
 from inferlab.models.attention import decode_attention_kernel, decode_attention_sdpa, gather_kv, padded_slots_and_mask
 from inferlab.models.kv_cache import KVCache, allocate_kv_cache, dequantize_kv, kv_bytes_per_token, quantize_kv
+from inferlab.models.precision import resolve_precision
 from inferlab.models.testing import make_tiny_hf_model
 
 needs_kernels = pytest.mark.skipif(
@@ -73,7 +74,7 @@ def test_gather_kv_dequantizes_the_blocks():
 
 
 def test_kv_cache_dtype_int8_resolves_once():
-    assert loader.resolve_kv_dtype(LoadConfig(), CacheConfig(cache_dtype="int8")) == torch.int8
+    assert resolve_precision(LoadConfig(), CacheConfig(cache_dtype="int8")).kv_cache == torch.int8
     with pytest.raises(ValueError, match="cache_dtype"):
         CacheConfig(cache_dtype="int4")
 
@@ -82,7 +83,8 @@ def test_the_same_memory_holds_about_twice_float16s_tokens():
     # SmolLM2-135M's shape: the scale costs 4 bytes per 64 codes (at a smaller head_dim, more).
     config = ModelConfig("llama", 49152, 576, 1536, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64)
     cache = CacheConfig(kv_cache_memory=64 << 20)
-    n16, n8 = (num_kv_blocks(config, cache, dt) for dt in (torch.float16, torch.int8))
+    n16, n8 = (num_kv_blocks(cache, kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, dt))
+               for dt in (torch.float16, torch.int8))
     d = config.head_dim
     assert n8 / n16 == pytest.approx(2 * d / (d + 4), rel=0.01)  # 1.88x at head_dim 64
     assert 1.7 < n8 / n16 < 2.0

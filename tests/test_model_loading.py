@@ -13,11 +13,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from inferlab.config import LoadConfig, ModelConfig
+from inferlab.kernels.build import KernelInfo
 from inferlab.models.dummy_loader import load_dummy
 from inferlab.models.gguf_loader import dequantize_tensor, load_gguf, open_gguf, unpermute_qk
 from inferlab.models.hf_loader import load_hf_dir
 from inferlab.models.loaded import expected_weight_shapes
-from inferlab.models.loader import load_model, resolve_dtype
+from inferlab.models.loader import load_model
 from inferlab.models.model_config import (
     gguf_field,
     llama3_rope_factors,
@@ -25,6 +26,7 @@ from inferlab.models.model_config import (
     model_config_from_hf,
     model_config_from_hf_dir,
 )
+from inferlab.models.precision import resolve_precision
 from inferlab.models.testing import (
     TINY_ARCHS,
     default_gguf_path,
@@ -454,7 +456,7 @@ def test_load_model_dispatch(tiny_dirs: dict[str, Path], tmp_path: Path) -> None
     gguf_path = make_tiny_gguf(tmp_path / "tiny.gguf", hf_dir=tiny_dirs["qwen2"], qtype="Q8_0")
     m = load_model(LoadConfig(model=str(gguf_path)))
     assert (m.format, m.config.architecture, m.config.name) == ("gguf", "qwen2", str(gguf_path))
-    assert m.weights["model.embed_tokens.weight"].dtype == resolve_dtype("auto")
+    assert m.weights["model.embed_tokens.weight"].dtype == resolve_precision(LoadConfig()).compute
     m = load_model(LoadConfig(dtype="float32"), model_path=tiny_dirs["qwen3"])
     assert (m.format, m.config.architecture, m.config.name) == ("hf", "qwen3", "qwen3")
     assert m.weights["model.norm.weight"].dtype == torch.float32
@@ -474,21 +476,17 @@ def test_load_model_dispatch(tiny_dirs: dict[str, Path], tmp_path: Path) -> None
         load_model(LoadConfig(), model_path=tmp_path / "missing")
 
 
-def test_resolve_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
-    import inferlab.models.loader as loader
+def test_resolve_compute_dtype() -> None:
+    def compute(dtype: str, variant: str, native_bf16: bool) -> torch.dtype:
+        return resolve_precision(LoadConfig(dtype=dtype), kernel=KernelInfo(variant, ()), native_bf16=native_bf16).compute
 
-    monkeypatch.setattr(loader.kernels_build, "available", lambda: False)  # plain torch
-    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: True)
-    assert resolve_dtype("auto") == torch.bfloat16
-    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)
-    assert resolve_dtype("auto") == torch.float32  # emulated bf16 is far slower than float32
-    monkeypatch.setattr(loader.kernels_build, "available", lambda: True)  # our kernels take float32 x
-    assert resolve_dtype("auto") == torch.float32
-    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: True)
-    assert resolve_dtype("auto") == torch.float32
-    assert resolve_dtype("float16") == torch.float16
+    assert compute("auto", "none", True) == torch.bfloat16  # plain torch
+    assert compute("auto", "none", False) == torch.float32  # emulated bf16 is far slower than float32
+    assert compute("auto", "avx2", False) == torch.float32  # our kernels take float32 x
+    assert compute("auto", "avx512", True) == torch.float32
+    assert compute("float16", "avx2", True) == torch.float16
     with pytest.raises(ValueError, match="dtype must be"):
-        resolve_dtype("int8")
+        LoadConfig(dtype="int8")
 
 
 def test_gguf_config_reads_metadata_directly(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from inferlab.models.attention import (
 )
 from inferlab.models.dummy_loader import load_dummy
 from inferlab.models.kv_cache import KVCache, dequantize_kv, quantize_kv
+from inferlab.models.precision import resolve_precision
 from inferlab.models.testing import make_tiny_hf_model, tiny_model_config
 
 H, KVH, D, BS, NUM_BLOCKS = 6, 2, 64, 16, 160
@@ -48,8 +49,8 @@ SPEC = [(5, 1), (40, 1), (0, 150), (0, 150), (100, 70), (0, 30), (0, 30), (16, 5
 def runner() -> ModelRunner:
     cfg = tiny_model_config("llama")
     weights = load_dummy(cfg, torch.float32).weights
-    return ModelRunner(cfg, weights, LoadConfig(dtype="float32"),
-                       CacheConfig(block_size=BS, num_blocks_override=NUM_BLOCKS))
+    cache = CacheConfig(block_size=BS, num_blocks_override=NUM_BLOCKS)
+    return ModelRunner(cfg, weights, resolve_precision(LoadConfig(dtype="float32"), cache), cache)
 
 
 def _scheduled(spec: list[tuple[int, int]], gen: torch.Generator) -> list[ScheduledRequest]:
@@ -227,9 +228,9 @@ def test_the_model_decides_bf16_attention_once():
     from inferlab.models.decoder import DecoderModel
 
     weights = load_dummy(cfg, torch.float32).weights
-    exact = DecoderModel(cfg, weights, torch.float32)
+    exact = DecoderModel(cfg, weights, resolve_precision(LoadConfig(dtype="float32")))
     assert not exact.bf16_products
-    m16 = DecoderModel(cfg, weights, torch.float32, weight_dtype=torch.bfloat16)
+    m16 = DecoderModel(cfg, weights, resolve_precision(LoadConfig(dtype="float32", weight_dtype="bfloat16")))
     assert m16.bf16_products == build.kernel_info().bf16_dot
 
 

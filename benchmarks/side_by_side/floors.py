@@ -65,7 +65,7 @@ def decode_floors(systems: Sequence[System], hw: dict[str, Any], stream: Workloa
     for system in systems:
         for f in system.floors(server_info.get(system.name)):
             roof = Roofline(load_model_spec(f.model_file), spec, f.weight_dtype, f.kv_dtype, "fp32")
-            step = roof.decode_step(1, context)
-            kv = roof.kv_bytes_per_token * context
-            out.append(Floor(system.name, f.label, roof.weight_bytes_read_per_step, kv, 1.0 / step.memory_time_s))
+            kv = (f.kv_bytes_per_token or roof.kv_bytes_per_token) * context
+            weights = roof.weight_bytes_read_per_step
+            out.append(Floor(system.name, f.label, weights, kv, roof.effective_bandwidth / (weights + kv)))
     return out

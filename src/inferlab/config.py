@@ -46,11 +46,6 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """KV bytes per token at 2 bytes per element (K and V, every layer)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
-
 
 # int8: weight-only (float products); w8a8: int8 weights and x quantized per group of 64 on the
 # fly, integer dot products (vpdpbusd; the AVX-512 kernel variant only), faster, less accurate.

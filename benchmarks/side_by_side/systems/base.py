@@ -31,12 +31,14 @@ class ServerSpec:
 @dataclass(frozen=True)
 class FloorSpec:
     """What one decode step reads, for the bandwidth ceiling: the weights at `weight_dtype` (None:
-    the file's own bytes) and the KV cache at `kv_dtype`."""
+    the file's own bytes) and the KV cache at `kv_dtype`, or at `kv_bytes_per_token` where the
+    server reported its own figure (an int8 cache's scales included)."""
 
     label: str
     model_file: str
     weight_dtype: str | None
     kv_dtype: str
+    kv_bytes_per_token: float | None = None
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+from harness import server_info
 
 from side_by_side.systems.base import FloorSpec, ServerSpec, System, inferlab_command
 
@@ -27,11 +27,7 @@ class InferlabSystem(System):
 
     def read_info(self, base_url: str) -> dict[str, Any] | None:
         """`GET /server_info`: the precision the engine resolved, so that no figure guesses it from flags."""
-        try:
-            r = httpx.get(base_url + "/server_info", timeout=10)
-            return r.json() if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
-            return None
+        return server_info(base_url)
 
     def floors(self, info: dict[str, Any] | None) -> list[FloorSpec]:
         """The weights and K/V at the precision the server reported (none when it reported nothing)."""
@@ -40,7 +36,7 @@ class InferlabSystem(System):
             return []
         weights, kv = precision["weights"], precision["kv_cache"]
         model = _flag(self.args, "--model", "-m") or self.model_file
-        return [FloorSpec(f"{weights} weights, {kv} KV", model, weights, kv)]
+        return [FloorSpec(f"{weights} weights, {kv} KV", model, weights, kv, precision.get("kv_bytes_per_token"))]
 
 
 def _flag(args: Sequence[str], *names: str) -> str | None:

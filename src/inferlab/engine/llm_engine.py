@@ -24,9 +24,8 @@ from inferlab.engine.output_processor import OutputProcessor
 from inferlab.engine.outputs import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from inferlab.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from inferlab.engine.scheduler import Scheduler
-from inferlab.kernels import build as kernels_build
-from inferlab.models.decoder import dtype_name
 from inferlab.models.loader import load_model
+from inferlab.models.precision import resolve_precision
 from inferlab.models.registry import resolve_model
 from inferlab.tokenizer import Tokenizer
 
@@ -40,8 +39,11 @@ class LLMEngine:
         load = config.load
         if load.load_format == "dummy" and load.model is None and load.hf_config_path is None:
             raise ValueError("load_format='dummy' needs a model (a config.json or a model directory)")
+        # Every precision decision, once (building the kernels now, before /health says ready);
+        # the loader, the runner and the decoder take it as it is.
+        self.precision = resolve_precision(load, config.cache)
         resolved = resolve_model(load.model) if load.load_format != "dummy" or load.model else None
-        loaded = load_model(load, resolved.path if resolved is not None else None)
+        loaded = load_model(load, resolved.path if resolved is not None else None, precision=self.precision)
         self.model_config = loaded.config
         self.model_name = (resolved.name if resolved is not None else "") or loaded.config.name or "model"
         self.tokenizer = _load_tokenizer(resolved)
@@ -52,7 +54,8 @@ class LLMEngine:
         )
         logger.info("sampling defaults: %s", self.sampling_defaults.describe())
 
-        self.runner = ModelRunner(loaded.config, loaded.weights, load, config.cache)
+        logger.info("%s", self.precision.describe(loaded.config))
+        self.runner = ModelRunner(loaded.config, loaded.weights, self.precision, config.cache, seed=load.seed)
         del loaded
         self.num_blocks = self.runner.num_blocks
         pool_tokens = self.num_blocks * config.cache.block_size
@@ -117,24 +120,21 @@ class LLMEngine:
         """What this engine decided, for `GET /server_info` and the benchmarks that read it
         instead of guessing from flags: precision, kernels, KV cache, limits."""
         model = self.runner.model
+        precision = self.precision.as_dict(self.model_config)
         return {
             "model": self.model_name,
             "max_model_len": self.max_model_len,
             "max_num_seqs": self.scheduler_config.max_num_seqs,
             "max_num_batched_tokens": self.scheduler_config.max_num_batched_tokens,
             "speculative": dataclasses.asdict(self.speculative_config) if self.speculative_config else None,
-            "precision": {
-                "compute": dtype_name(model.dtype),
-                "weights": dtype_name(model.weight_dtype),
-                "kv_cache": dtype_name(self.runner.kv_dtype),
-                "int8_activations": bool(getattr(model, "int8_activations", False)),
-                "summary": model.describe_precision(),
-            },
+            # The engine's ResolvedPrecision (compute, weights, kv_cache, int8_activations as
+            # before; products, kernel path, K/V bytes per token, the fallbacks' reasons).
+            "precision": {**precision, "summary": model.describe_precision()},
             "kv_cache": {"num_blocks": self.num_blocks, "block_size": self.cache_config.block_size,
-                         "dtype": dtype_name(self.runner.kv_dtype),
+                         "dtype": precision["kv_cache"],
                          "bytes_per_token": self.runner.kv_bytes_per_token,
                          "prefix_caching": self.cache_config.enable_prefix_caching},  # fmt: skip
-            "kernels": kernels_build.kernel_info().as_dict(),
+            "kernels": self.precision.kernel.as_dict(),
             "device": str(self.runner.device),
             "sampling_defaults": self.sampling_defaults.as_dict(),
             "model_path": str(self.model_path) if self.model_path is not None else None,

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from inferlab.config import CacheConfig, LoadConfig, ModelConfig
+from inferlab.config import CacheConfig, ModelConfig
 from inferlab.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from inferlab.engine.request import Logprob, TokenLogprobs
 from inferlab.engine.sampler import Sampler
@@ -35,9 +35,9 @@ from inferlab.models.attention import (
     padded_slots_and_mask,
     prefill_tile,
 )
-from inferlab.models.decoder import DecoderModel, dtype_name
-from inferlab.models.kv_cache import allocate_kv_cache, kv_bytes_per_token
-from inferlab.models.loader import int8_activations, resolve_dtype, resolve_kv_dtype, resolve_weight_dtype
+from inferlab.models.decoder import DecoderModel
+from inferlab.models.kv_cache import allocate_kv_cache
+from inferlab.models.precision import ResolvedPrecision, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +47,13 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB on the CPU when nothing else is said
 PROMPT_LOGPROB_ROWS = 256
 
 
-def num_kv_blocks(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
-    """Blocks that fit the KV budget: 2 (K, V) x layers x kv heads x (head dim x bytes, plus an
-    int8 row's scale), per token."""
+def num_kv_blocks(cache: CacheConfig, bytes_per_token: int) -> int:
+    """Blocks that fit the KV budget at `bytes_per_token` (ResolvedPrecision.kv_bytes_per_token:
+    2 (K, V) x layers x kv heads x (head dim x bytes, plus an int8 row's scale))."""
     if cache.num_blocks_override is not None:
         return cache.num_blocks_override
     budget = cache.kv_cache_memory or DEFAULT_KV_CACHE_BYTES
-    per_block = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, dtype) * cache.block_size
+    per_block = bytes_per_token * cache.block_size
     n = budget // per_block
     if n < 1:
         raise ValueError(f"kv_cache_memory of {budget} bytes holds no block of {per_block} bytes")
@@ -61,36 +61,36 @@ def num_kv_blocks(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype) ->
 
 
 class ModelRunner:
+    """`precision` is the engine's (models/precision.py resolve_precision of the same LoadConfig
+    and CacheConfig): the runner and its model take every dtype from it and decide none."""
+
     def __init__(
         self,
         model_config: ModelConfig,
         weights: dict[str, torch.Tensor],
-        load_config: LoadConfig,
+        precision: ResolvedPrecision,
         cache_config: CacheConfig,
+        seed: int = 0,
     ):
         self.model_config = model_config
-        self.device = torch.device(load_config.device)
-        self.dtype = resolve_dtype(load_config.dtype, load_config.device)
+        self.precision = precision
+        self.device = torch.device(precision.device)
         self.block_size = cache_config.block_size
-        self.weight_dtype = resolve_weight_dtype(load_config)  # how the linear layers' weights are stored
-        self.model = DecoderModel(model_config, weights, self.dtype, weight_dtype=self.weight_dtype,
-                                  int8_activations=int8_activations(load_config))
-        self.kv_dtype = resolve_kv_dtype(load_config, cache_config)  # decided once; the caches carry it on
-        self.kv_bytes_per_token = kv_bytes_per_token(model_config.num_layers, model_config.num_kv_heads,
-                                                     model_config.head_dim, self.kv_dtype)
-        self.num_blocks = num_kv_blocks(model_config, cache_config, self.kv_dtype)
+        self.model = DecoderModel(model_config, weights, precision)
+        self.kv_bytes_per_token = precision.kv_bytes_per_token(model_config)
+        self.num_blocks = num_kv_blocks(cache_config, self.kv_bytes_per_token)
         self.kv_caches = allocate_kv_cache(
             model_config.num_layers,
             model_config.num_kv_heads,
             model_config.head_dim,
             self.num_blocks * self.block_size,
-            self.kv_dtype,
+            precision.kv_cache,  # the caches carry it on: every reader and writer takes it from them
             device=self.device,
         )
         log.info("KV cache: %d blocks of %d tokens, %s, %d bytes per token, %.0f MiB", self.num_blocks,
-                 self.block_size, describe_kv_dtype(self.kv_dtype), self.kv_bytes_per_token,
+                 self.block_size, describe_kv_dtype(precision.kv_cache), self.kv_bytes_per_token,
                  sum(c.nbytes for c in self.kv_caches) / 2**20)
-        self.sampler = Sampler(load_config.seed)
+        self.sampler = Sampler(seed)
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -227,7 +227,7 @@ class ModelRunner:
 
         decode_group = None
         if decodes:
-            paged = self.device.type == "cpu" and decode_kernel_enabled(self.kv_dtype)
+            paged = self.device.type == "cpu" and decode_kernel_enabled(self.precision.kv_cache)
             decode_group = self._decode_group(decodes, decode_lens, paged)
         prefill = self._prefill_batch(prefills, nd) if prefills else None
         meta = AttentionMetadata(slot_mapping, nd, decode_group, prefill)
@@ -268,7 +268,7 @@ class ModelRunner:
         # A step of fresh chunks that are each one `is_causal` call (no longer than a tile, or
         # longer than TILED_FRESH_MAX) needs no mask.
         tiled = continuing or any(tile < r.num_tokens <= TILED_FRESH_MAX for r in fresh)
-        bias = causal_bias_band(tile, max_context, self.dtype) if tiled else None
+        bias = causal_bias_band(tile, max_context, self.precision.compute) if tiled else None
         return PrefillBatch(tuple(fresh), tuple(continuing), block_tables, bs, tile, bias)
 
     def _decode_group(self, decodes: list[ScheduledRequest], ctx_lens: list[int], paged: bool) -> BatchGroup:

@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from inferlab.config import ModelConfig
-from inferlab.kernels import build as kernels_build
 from inferlab.kernels.int4 import INT4, Int4Weight, cat_rows, quantize
 from inferlab.kernels.linear import MKL_MIN_ROWS, DenseLinear, Int4Linear, WeightOnlyLinear, make_linear
 from inferlab.models.attention import AttentionMetadata, paged_attention
 from inferlab.models.kv_cache import KVCache
+from inferlab.models.precision import ResolvedPrecision, dtype_name
 from inferlab.models.rope import apply_rope, rope_cache
 
 log = logging.getLogger(__name__)
@@ -50,30 +50,23 @@ class LayerWeights:
 class DecoderModel:
     """Weights plus a forward pass; no nn.Module machinery (nothing here is trained).
 
-    `dtype` is the compute dtype (activations, norms; the K/V cache's is the runner's, see
-    loader.resolve_kv_dtype). `weight_dtype` is how the
-    linear layers' weights (and the embedding table) are stored: None or `dtype` keeps them as
-    they are (F.linear); float16 / bfloat16 / torch.int8 stores them in fewer bytes, multiplied
-    by kernels/linear.py's WeightOnlyLinear (see loader.resolve_weight_dtype for "auto").
+    `precision` (the engine's, models/precision.py) says everything this model computes and
+    stores in; nothing here decides it again. `precision.compute` is the compute dtype
+    (activations, norms; the K/V cache's is the runner's). `precision.weights` is how the linear
+    layers' weights (and the embedding table) are stored: the compute dtype keeps them as they
+    are (F.linear); float16 / bfloat16 / torch.int8 / int4 store them in fewer bytes, multiplied
+    by kernels/linear.py's WeightOnlyLinear.
     """
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        weights: dict[str, torch.Tensor],
-        dtype: torch.dtype,
-        weight_dtype: torch.dtype | None = None,
-        int8_activations: bool = False,
-    ):
-        # The kernels are decided and compiled here, at load, whatever the dtype: before the
-        # server answers /health, so no request waits for a compile (~35-70 s).
-        kernels_build.kernel_info()
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], precision: ResolvedPrecision):
+        # The kernels were decided and compiled when `precision` was resolved, at load, whatever
+        # the dtype: before the server answers /health, so no request waits for a compile (~35-70 s).
         self.config = config
-        if int8_activations and weight_dtype != torch.int8:
-            raise ValueError("int8 activations (weight_dtype w8a8) need int8 weights")
-        self.int8_activations = int8_activations  # x quantized per 64 values for vpdpbusd (kernels/linear.py)
+        self.precision = precision
+        dtype = precision.compute
+        self.int8_activations = precision.int8_activations  # x quantized per 64 values for vpdpbusd (kernels/linear.py)
         self.dtype = dtype
-        self.weight_dtype = dtype if weight_dtype is None else weight_dtype
+        self.weight_dtype = precision.weights
         c = config
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
@@ -104,7 +97,7 @@ class DecoderModel:
             (for 11 MB less per decode step); llama.cpp keeps that table at Q8_0 too."""
             if self.weight_dtype == INT4 and not isinstance(weight, Int4Weight):
                 return make_linear(weight, None, torch.int8, dtype,
-                                   int8_activations=bool(kernels_build.kernel_info().int8_dot))
+                                   int8_activations=bool(precision.kernel.int8_dot))
             return linear(weight)
 
         # The embedding table is stored like the lm_head: a lookup dequantizes only the T rows it
@@ -144,11 +137,11 @@ class DecoderModel:
         # Our kernels take float32 activations on the CPU. The fused layer (kernels/csrc/fused.cpp)
         # rotates q and k straight after the qkv product, which a per-head q/k norm (Qwen3) would
         # have to precede; the whole-step decode kernel (decoder_step.cpp) applies that norm itself.
-        self.step_ok = dtype == torch.float32 and device.type == "cpu" and kernels_build.available()
+        self.step_ok = precision.uses_kernels
         self.fused_ok = self.step_ok and not c.qk_norm
         # One precision decision for the whole model: where the linears multiply bf16 weights in
         # bf16 (the avx512 variant), prefill attention does too (models/attention.py).
-        self.bf16_products = bool(getattr(self.embed, "bf16_products", False)) and self.step_ok
+        self.bf16_products = precision.bf16_products
         self._step: object | None = None  # torch.classes.inferlab.DecoderStep, built on first use
         self._step_caches: list | None = None
         line = self.describe_precision()
@@ -157,29 +150,30 @@ class DecoderModel:
             # (a per-call dequantize is measured 7-10x slower than dtype auto).
             log.warning("%s: no fast path for %s weights with %s compute on this CPU (kernels: %s); "
                         "dtype auto or float32 runs them in our kernels", line, dtype_name(self.weight_dtype),
-                        dtype_name(dtype), kernels_build.kernel_info().variant)
+                        dtype_name(dtype), precision.kernel.variant)
         else:
             log.info("%s", line)
 
     def describe_precision(self) -> str:
         """One line for the load log: how weights are stored, what multiplies them, compute dtype."""
         wd, cd = dtype_name(self.weight_dtype), dtype_name(self.dtype)
+        kernel = self.precision.kernel
         e = self.layers[0].qkv if self.layers else self.embed
         if isinstance(e, DenseLinear):
             how = "F.linear"
         elif e.use_kernels and self.dtype == torch.float32 and e.weight.device.type == "cpu":
-            how = f"our {kernels_build.kernel_info().variant} kernels"
+            how = f"our {kernel.variant} kernels"
             if self.int8_activations:
                 how += ", x quantized to int8 per 64 values, vpdpbusd"
             elif isinstance(e, Int4Linear):
-                dot = "vpdpbusd" if kernels_build.kernel_info().int8_dot else "vpmaddubsw"
+                dot = "vpdpbusd" if kernel.int8_dot else "vpmaddubsw"
                 how += f", 4-bit codes x int8 x per 32 values, {dot}"
                 if not isinstance(self.lm_head, Int4Linear):
                     how += "; embedding / lm_head int8"
             elif getattr(e, "bf16_products", False):
                 how += ", bf16 products (vdpbf16ps / oneDNN), float32 sums"
         else:
-            why = (kernels_build.unavailable_reason() or "kernels off") if not e.use_kernels else f"{cd} activations"
+            why = ((kernel.reason if not kernel.available else "") or "kernels off") if not e.use_kernels else f"{cd} activations"
             how = f"plain torch, dequantized per call: {why}"
         return f"weights {wd} ({how}), compute {cd}, {self.weight_nbytes / 1e6:.1f} MB of weights"
 
@@ -327,7 +321,3 @@ class DecoderModel:
         """float32 logits [N, vocab] for the given hidden rows."""
         return self.lm_head(hidden).float()
 
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """"torch.bfloat16" -> "bfloat16": the name the flags and the logs use."""
-    return "int4" if dtype == INT4 else str(dtype).removeprefix("torch.")

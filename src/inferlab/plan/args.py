@@ -136,7 +136,7 @@ def plan_inputs(args: argparse.Namespace, model: ModelSpec, hardware: HardwareSp
 
 def auto_compute_precision(hardware: HardwareSpec) -> str:
     """bf16, unless this is a measured CPU whose fp32 products ran faster than bf16 ones (no
-    native bf16: the engine then computes in float32 too, see `models.loader.resolve_dtype`)."""
+    native bf16: the engine then computes in float32 too, see `models.precision.resolve_precision`)."""
     fp32, bf16 = hardware.flops.get("fp32"), hardware.flops.get("bf16")
     if hardware.kind == "measured" and fp32 is not None and (bf16 is None or fp32 > bf16):
         return "fp32"

@@ -72,6 +72,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
             raise ValueError(f"--calibrate-engine measures a new profile; drop --{flag.replace('_', '-')}")
     spec = spec_from_args(args)
     from inferlab.entrypoints.llm import LLM  # torch, only here
+    from inferlab.models.precision import dtype_name
 
     log(f"loading {args.model or 'the default model'} ...")
     llm = LLM(args.model, dtype=args.dtype, weight_dtype=engine_weight_dtype(args), num_threads=args.num_threads,
@@ -79,7 +80,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
               max_model_len=spec.max_model_len,
               block_size=args.block_size, enable_prefix_caching=False, seed=args.seed)
     engine = llm.engine
-    log(f"profiling {engine.model_name} ({engine.runner.dtype}, weights {engine.runner.weight_dtype}, "
+    compute, weights = dtype_name(engine.precision.compute), dtype_name(engine.precision.weights)
+    log(f"profiling {engine.model_name} ({compute}, weights {weights}, "
         f"{_threads()} threads): "
         f"{spec.total_prefill_tokens} prompt tokens, decode batches up to {max(r.batch for r in spec.ramps)}")
     t0 = time.perf_counter()
@@ -87,8 +89,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     elapsed = time.perf_counter() - t0
     meta = {
         "model": engine.model_name,
-        "dtype": str(engine.runner.dtype).removeprefix("torch."),
-        "weight_dtype": str(engine.runner.weight_dtype).removeprefix("torch."),
+        "dtype": compute,
+        "weight_dtype": weights,
         "threads": _threads(),
         "machine": platform.machine(),
         "max_num_batched_tokens": engine.scheduler_config.max_num_batched_tokens,

@@ -2,8 +2,8 @@
 
 The modes come from config.py's WEIGHT_DTYPES and KV_CACHE_DTYPES (every entry but "auto"), so
 a mode added there is in the report without an edit here. Whether this machine runs one is the
-loader's answer (models/loader.py resolve_weight_dtype / resolve_kv_dtype raise ValueError with
-the reason, e.g. w8a8 without VNNI), not a rule copied here. Two rows that resolve to the same
+engine's answer (models/precision.py resolve_precision raises ValueError with the reason, e.g.
+w8a8 without VNNI), not a rule copied here. Two rows that resolve to the same
 stored types (the K/V-float16 row with default weights is the weights-bfloat16 row on AVX-512)
 are measured once; the second is reported as the same as the first.
 """
@@ -13,8 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from inferlab.config import KV_CACHE_DTYPES, WEIGHT_DTYPES, CacheConfig, LoadConfig
-from inferlab.models.decoder import dtype_name
-from inferlab.models.loader import resolve_dtype, resolve_kv_dtype, resolve_weight_dtype
+from inferlab.models.precision import dtype_name, resolve_precision
 
 
 @dataclass(frozen=True)
@@ -61,19 +60,17 @@ def parse_list(text: str | None, offered: list[str], what: str) -> list[str]:
 
 
 def _resolve(mode: Mode, model: str | None) -> Mode:
-    load = LoadConfig(model=model, dtype=mode.dtype, weight_dtype=mode.weight_dtype)
-    cache = CacheConfig(cache_dtype=mode.kv_cache_dtype)
-    weights = dtype_name(resolve_weight_dtype(load))
-    if mode.weight_dtype not in ("auto", "float32", "bfloat16", "float16"):
-        weights = mode.weight_dtype  # int8 and w8a8 (and what comes) share a storage dtype: keep the mode's name
+    p = resolve_precision(LoadConfig(model=model, dtype=mode.dtype, weight_dtype=mode.weight_dtype),
+                          CacheConfig(cache_dtype=mode.kv_cache_dtype))
+    # weight_mode, not the storage dtype: int8 and w8a8 (and what comes) share one
     return Mode(mode.label, mode.kind, mode.dtype, mode.weight_dtype, mode.kv_cache_dtype,
-                dtype_name(resolve_dtype(load.dtype, load.device)), weights, dtype_name(resolve_kv_dtype(load, cache)))
+                dtype_name(p.compute), p.weight_mode, dtype_name(p.kv_cache))
 
 
 def plan_modes(weight_modes: list[str], kv_modes: list[str],
                model: str | None = None) -> tuple[list[Mode], list[Skipped]]:
     """The rows to measure, the float32 base first, then each weight mode with auto K/V, then each
-    K/V dtype with the default weights; and the skipped ones with the loader's reason (or the row
+    K/V dtype with the default weights; and the skipped ones with the engine's reason (or the row
     they duplicate)."""
     wanted = [Mode("base float32", "base", "float32", "auto", "auto")]
     wanted += [Mode(f"weights {w}", "weights", "auto", w, "auto") for w in weight_modes]
