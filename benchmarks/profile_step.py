@@ -29,6 +29,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from inferlab import LLM, SamplingParams
+from inferlab.engine.request import RequestOptions
 from inferlab.plan.measure import measure_cpu
 from inferlab.plan.roofline import attention_pairs
 
@@ -70,7 +71,7 @@ def profile_steps(llm: LLM, prompts: list[list[int]], max_tokens: int, steps: in
     eng = llm.engine
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
-        eng.add_request(f"prof-{time.monotonic_ns()}-{i}", p, params, use_prefix_cache=False)
+        eng.add_request(f"prof-{time.monotonic_ns()}-{i}", p, params, RequestOptions(use_prefix_cache=False))
     for _ in range(skip):  # get past the prefill into steady decode (or stop before it)
         eng.step()
     wall: dict[str, float] = defaultdict(float)

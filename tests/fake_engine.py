@@ -22,7 +22,14 @@ from typing import Any
 from inferlab.config import CacheConfig
 from inferlab.engine.errors import ContextLengthError
 from inferlab.engine.outputs import SchedulerStats
-from inferlab.engine.request import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams
+from inferlab.engine.request import (
+    CompletionOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOptions,
+    RequestOutput,
+    SamplingParams,
+)
 
 ALPHABET = "abcdefghij "
 OFFSET = 3
@@ -89,8 +96,7 @@ class _Req:
     params: SamplingParams
     metrics: RequestMetrics
     seqs: list[_Seq]
-    cache_salt: str | None
-    use_prefix_cache: bool
+    options: RequestOptions
     blocks: int = 0
     prompt_logprobs: list | None = None
 
@@ -147,10 +153,7 @@ class FakeEngine:
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams,
-        *,
-        arrival_time: float | None = None,
-        cache_salt: str | None = None,
-        use_prefix_cache: bool = True,
+        options: RequestOptions | None = None,
     ) -> None:
         self.thread_ids.add(threading.get_ident())
         if request_id in self._requests:
@@ -172,16 +175,10 @@ class FakeEngine:
             else:
                 rng = random.Random()
             seqs.append(_Seq(index=i, rng=rng, logprobs=[] if params.logprobs is not None else None))
-        arrival = time.monotonic() if arrival_time is None else arrival_time
-        req = _Req(
-            request_id,
-            ids,
-            params,
-            RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids)),
-            seqs,
-            cache_salt,
-            use_prefix_cache,
-        )
+        options = (options or RequestOptions()).arrived(time.monotonic())
+        assert options.arrival_time is not None
+        req = _Req(request_id, ids, params, RequestMetrics(arrival_time=options.arrival_time, num_prompt_tokens=len(ids)),
+                   seqs, options)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = self._prompt_logprobs(ids, params.prompt_logprobs)
         self._requests[request_id] = req
@@ -288,13 +285,13 @@ class FakeEngine:
         bs = self.cache_config.block_size
         ids = req.prompt_ids
         self._queries += len(ids)
-        salt = (req.cache_salt or "").encode()
+        salt = (req.options.cache_salt or "").encode()
         hits = 0
         keys = []
         for end in range(bs, len(ids) + 1, bs):
             key = hashlib.sha256(salt + b"|" + bytes(str(ids[:end]), "ascii")).digest()
             keys.append(key)
-            if req.use_prefix_cache and hits == end - bs and key in self._cached_prefixes:
+            if req.options.use_prefix_cache and hits == end - bs and key in self._cached_prefixes:
                 hits = end
         hits = min(hits, len(ids) - 1)
         self._hits += hits

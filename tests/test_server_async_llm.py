@@ -351,3 +351,38 @@ def test_the_next_step_waits_for_the_readers_of_the_last_one(monkeypatch):
         assert at_step_start and all(r == p for r, p in at_step_start), at_step_start
     finally:
         llm.shutdown(5)
+
+
+
+def test_request_options_reach_the_engine_as_one_object():
+    """AsyncLLM hands the engine thread the caller's RequestOptions (no kwargs dict), with the
+    arrival time set where the caller left it out, and keeps one the caller gave."""
+    import time
+
+    from inferlab.engine.request import RequestOptions
+
+    seen: dict[str, RequestOptions] = {}
+
+    class Recording(FakeEngine):
+        def add_request(self, request_id, prompt, params, options=None):
+            seen[request_id] = options
+            super().add_request(request_id, prompt, params, options)
+
+    llm = AsyncLLM(Recording)
+    llm.start()
+    assert llm.wait_ready(30)
+    try:
+
+        async def go():
+            given = RequestOptions(cache_salt="tenant-a", use_prefix_cache=False)
+            [o async for o in llm.generate("hi", SamplingParams(max_tokens=2), "salted", given)]
+            [o async for o in llm.generate("hi", SamplingParams(max_tokens=2), "dated", RequestOptions(arrival_time=1.5))]
+
+        before = time.monotonic()
+        run(go())
+        salted = seen["salted"]
+        assert (salted.cache_salt, salted.use_prefix_cache) == ("tenant-a", False)
+        assert salted.arrival_time is not None and salted.arrival_time >= before
+        assert seen["dated"] == RequestOptions(arrival_time=1.5)
+    finally:
+        llm.shutdown()

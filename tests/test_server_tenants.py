@@ -29,9 +29,9 @@ class SaltSpy(FakeEngine):
         super().__init__(**kw)
         self.salts: dict[str, str | None] = {}
 
-    def add_request(self, request_id, prompt, params, **kw):
-        self.salts[request_id] = kw.get("cache_salt")
-        super().add_request(request_id, prompt, params, **kw)
+    def add_request(self, request_id, prompt, params, options=None):
+        self.salts[request_id] = options.cache_salt if options is not None else None
+        super().add_request(request_id, prompt, params, options)
 
 
 def keys_file(tmp_path, tenants: list[dict]) -> TenantTable:

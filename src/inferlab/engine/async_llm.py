@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from inferlab.engine.errors import EngineDeadError
 from inferlab.engine.outputs import SchedulerStats
-from inferlab.engine.request import CompletionOutput, RequestOutput, SamplingParams
+from inferlab.engine.request import CompletionOutput, RequestOptions, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,8 @@ class EngineLike(Protocol):
     max_model_len: int
     max_num_seqs: int
 
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams, **kwargs: Any) -> None: ...
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
+                    options: RequestOptions | None = None) -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def abort_request(self, request_ids: list[str]) -> None: ...
     def has_unfinished_requests(self) -> bool: ...
@@ -106,7 +107,7 @@ class _Tracked:
     queue: Mailbox
     prompt: Any
     params: SamplingParams
-    kwargs: dict[str, Any]
+    options: RequestOptions  # arrival_time set
     deadline: float | None
     timeout: float | None
     added: bool = False
@@ -344,10 +345,8 @@ class AsyncLLM:
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams,
+        options: RequestOptions | None = None,
         *,
-        arrival_time: float | None = None,
-        cache_salt: str | None = None,
-        use_prefix_cache: bool = True,
         timeout: float | None = None,
     ) -> RequestStream:
         """Submit a request; returns its stream once the engine has accepted it.
@@ -362,20 +361,19 @@ class AsyncLLM:
             raise EngineDeadError(f"the engine loop stopped: {self.dead_error}")
         if not self._ready.is_set():
             raise EngineNotReadyError("the model is still loading; retry later")
-        arrival = time.monotonic() if arrival_time is None else arrival_time
+        options = (options or RequestOptions()).arrived(time.monotonic())
+        arrival = options.arrival_time
+        assert arrival is not None  # set by arrived()
         timeout = self.request_timeout if timeout is None else timeout
         loop = asyncio.get_running_loop()
         queue = Mailbox()
-        kwargs: dict[str, Any] = {"arrival_time": arrival, "use_prefix_cache": use_prefix_cache}
-        if cache_salt is not None:
-            kwargs["cache_salt"] = cache_salt
         tracked = _Tracked(
             request_id=request_id,
             loop=loop,
             queue=queue,
             prompt=prompt,
             params=params,
-            kwargs=kwargs,
+            options=options,
             deadline=None if timeout is None else arrival + timeout,
             timeout=timeout,
         )
@@ -399,10 +397,11 @@ class AsyncLLM:
         return RequestStream(request_id, queue, self)
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str, **kwargs: Any
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, options: RequestOptions | None = None,
+        *, timeout: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; closing the iterator early aborts the request."""
-        stream = await self.add_request(request_id, prompt, params, **kwargs)
+        stream = await self.add_request(request_id, prompt, params, options, timeout=timeout)
         try:
             async for out in stream:
                 yield out
@@ -483,7 +482,7 @@ class AsyncLLM:
                     continue
                 self._busy_since = time.monotonic()
                 try:
-                    engine.add_request(t.request_id, t.prompt, t.params, **t.kwargs)
+                    engine.add_request(t.request_id, t.prompt, t.params, t.options)
                 except Exception as e:  # noqa: BLE001 - the caller gets the engine's own error
                     self._busy_since = None
                     self._finish(t, e, deliveries)

@@ -22,7 +22,7 @@ from inferlab.engine.heap import HeapTrimmer
 from inferlab.engine.model_runner import ModelRunner
 from inferlab.engine.output_processor import OutputProcessor
 from inferlab.engine.outputs import ModelRunnerOutput, SchedulerOutput, SchedulerStats
-from inferlab.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
+from inferlab.engine.request import Request, RequestOptions, RequestOutput, RequestStatus, SamplingParams
 from inferlab.engine.scheduler import Scheduler
 from inferlab.models.loader import load_model
 from inferlab.models.precision import resolve_precision
@@ -182,10 +182,7 @@ class LLMEngine:
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams,
-        *,
-        arrival_time: float | None = None,
-        cache_salt: str | None = None,
-        use_prefix_cache: bool = True,
+        options: RequestOptions | None = None,
     ) -> None:
         """Validate and queue a request; raises ValueError (ContextLengthError) on bad input.
 
@@ -194,7 +191,9 @@ class LLMEngine:
         cached positions are never computed, so a hit would leave them out. Recomputing the
         prompt is the simple correct choice, as vLLM makes it; only requests asking pay.
         """
-        arrival = time.monotonic() if arrival_time is None else arrival_time
+        options = (options or RequestOptions()).arrived(time.monotonic())
+        arrival = options.arrival_time
+        assert arrival is not None  # set by arrived()
         if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.encode_prompt(prompt)
@@ -215,8 +214,8 @@ class LLMEngine:
                     sampling_params=child_params,
                     eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
                     arrival_time=arrival,
-                    cache_salt=cache_salt,
-                    use_prefix_cache=use_prefix_cache and params.prompt_logprobs is None,
+                    cache_salt=options.cache_salt,
+                    use_prefix_cache=options.use_prefix_cache and params.prompt_logprobs is None,
                     max_model_len=self.max_model_len,
                 )
             )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -128,6 +128,21 @@ def _bias(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"logit_bias must map token ids to numbers in [-100, 100], got {value!r}")
     return float(value)
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """How a request enters the engine, beside its prompt and sampling params: one type for
+    `LLMEngine.add_request`, `AsyncLLM.add_request` and the tests' fake engine (they repeated
+    these as keywords, and AsyncLLM carried them across threads as a dict)."""
+
+    arrival_time: float | None = None  # time.monotonic() when it was received; None: when it is added
+    cache_salt: str | None = None  # the prefix-cache namespace (a tenant's, then the request's); None: shared
+    use_prefix_cache: bool = True  # look its prompt up in the prefix cache (its blocks enter the cache either way)
+
+    def arrived(self, now: float) -> RequestOptions:
+        """These options with `arrival_time` set (to `now` where it was None)."""
+        return self if self.arrival_time is not None else replace(self, arrival_time=now)
 
 
 class RequestStatus(enum.Enum):

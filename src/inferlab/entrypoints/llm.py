@@ -8,7 +8,7 @@ from typing import Any
 
 from inferlab.engine.engine_args import EngineArgs
 from inferlab.engine.llm_engine import LLMEngine
-from inferlab.engine.request import RequestOutput, SamplingParams
+from inferlab.engine.request import RequestOptions, RequestOutput, SamplingParams
 
 PromptLike = str | list[int] | dict[str, Any]
 
@@ -61,11 +61,12 @@ class LLM:
         if sampling_params is None:  # the model's defaults, as vLLM's LLM takes them
             sampling_params = self.engine.default_sampling_params()
         params = _as_params_list(sampling_params, len(items))
+        options = RequestOptions(cache_salt=cache_salt, use_prefix_cache=use_prefix_cache)  # arrival: when added
         ids = []
         for item, sp in zip(items, params):
             rid = self.engine.new_request_id()
             try:
-                self.engine.add_request(rid, item, sp, use_prefix_cache=use_prefix_cache, cache_salt=cache_salt)
+                self.engine.add_request(rid, item, sp, options)
             except Exception:
                 self.engine.abort_request(ids)  # leave the engine as we found it
                 raise

@@ -173,7 +173,7 @@ def profile_engine(engine: Any, spec: ProfileSpec, log: Callable[[str], None] | 
     The engine must admit `spec.max_batch` sequences and `spec.max_model_len` tokens; prefix
     caching should be off (the prompts are random, but a cache hit would shorten a prefill).
     """
-    from inferlab.engine.request import SamplingParams
+    from inferlab.engine.request import RequestOptions, SamplingParams
 
     if engine.has_unfinished_requests():
         raise ValueError("profile an idle engine: it still has unfinished requests")
@@ -193,7 +193,7 @@ def profile_engine(engine: Any, spec: ProfileSpec, log: Callable[[str], None] | 
     def add(n: int, max_tokens: int) -> str:
         rid = engine.new_request_id()
         engine.add_request(rid, prompt(n), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                           use_prefix_cache=False)
+                           RequestOptions(use_prefix_cache=False))
         return rid
 
     with StepRecorder(engine) as rec:

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ValidationError
 from inferlab.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestStream
 from inferlab.engine.errors import EngineDeadError
 from inferlab.engine.generation_config import SamplingDefaults
-from inferlab.engine.request import RequestOutput, SamplingParams
+from inferlab.engine.request import RequestOptions, RequestOutput, SamplingParams
 from inferlab.server.admission import effective_timeout, to_api_error
 from inferlab.server.metrics import TenantMetrics
 from inferlab.server.protocol import (
@@ -309,7 +309,8 @@ class OpenAIServing:
 
         ctx.on_done = lambda status, finals: done(status, finals, _stream_outcome(status))
         timeout = effective_timeout(self.request_timeout, req.timeout)
-        salt = tenant.request_salt(req.cache_salt)
+        options = RequestOptions(arrival_time=arrival, cache_salt=tenant.request_salt(req.cache_salt),
+                                 use_prefix_cache=req.cache_prompt)
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
@@ -318,9 +319,7 @@ class OpenAIServing:
                     rid,
                     prompt,
                     dataclasses.replace(params) if i else params,
-                    arrival_time=arrival,
-                    cache_salt=salt,
-                    use_prefix_cache=req.cache_prompt,
+                    options,
                     timeout=timeout,
                 )
                 streams.append(stream)
