@@ -154,3 +154,23 @@ def test_a_pair_the_machine_cannot_run_is_refused_before_loading(tiny, monkeypat
     with pytest.raises(ValueError, match="w8a8 needs"):
         LLM(str(tiny), weight_dtype="w8a8", num_kv_blocks=8)
     assert not loaded
+
+
+def test_plan_vs_bench_plans_at_what_the_server_reports(tiny):
+    """benchmarks/plan_vs_bench.py takes the plan's precisions and the simulator's KV blocks from
+    GET /server_info (it used to assume float32 K/V, half the blocks the server has)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from plan_vs_bench import Served
+
+    llm = LLM(str(tiny), weight_dtype="float32", num_kv_blocks=8)  # as the script serves: dtype auto
+    p = llm.engine.precision
+    served = Served.from_info(llm.engine.info())
+    assert (served.weights, served.kv, served.num_blocks) == ("float32", str(p.kv_cache).removeprefix("torch."), 8)
+    assert served.compute == ("bf16" if p.bf16_products else "fp32")
+    if p.uses_kernels:  # dtype auto with our kernels: float16 K/V beside float32 weights
+        assert served.kv == "float16"
+    with pytest.raises(RuntimeError, match="no precision"):
+        Served.from_info({"model": "llama-server"})
