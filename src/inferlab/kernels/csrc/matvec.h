@@ -265,6 +265,67 @@ inline void row_products(const float* x, int64_t M, int64_t K, const at::BFloat1
     for_row_tiles<kRowsX16>(M, tile);
   }
 }
+
+// ---- int8 weights by vdpbf16ps from kI8Bf16MinRows rows of x --------------------------------
+// Why: int8 codes converted to float32 in registers (row_products above) cost 3 instructions per
+// 8 products, so from a few rows of x on int8 weight-only ran 3x slower than bf16 weights (32
+// rows, SmolLM2's shapes, one core). A code -127..127 is exact in bf16, so each block of 4 rows
+// is converted once into L1 (its int8 stream prefetched as before) and multiplied by vdpbf16ps
+// with x rounded to bf16, as the bf16 weights and oneDNN's path from MKL_MIN_ROWS rows round it;
+// the row scales are applied to the float32 sums. Below kI8Bf16MinRows rows the float32 path
+// (exact products) stays: one or two decode rows are bound by the weight stream, not arithmetic.
+constexpr int64_t kI8Bf16MinRows = 4;  // kernels/linear.py INT8_BF16_MIN_ROWS
+
+inline void codes_to_bf16(const int8_t* w, int64_t rows, int64_t K, uint16_t* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int8_t* src = w + r * K;
+    const char* pf = reinterpret_cast<const char*>(src) + kPrefetchBytes;  // the linear stream, ahead
+    for (int64_t c = 0; c < K; c += 64) _mm_prefetch(pf + c, _MM_HINT_T0);
+    uint16_t* d = dst + r * K;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k))));
+      const __m512 hi =
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k + 16))));
+      const __m512bh v = _mm512_cvtne2ps_pbh(hi, lo);
+      _mm512_storeu_si512(d + k, reinterpret_cast<const __m512i&>(v));
+    }
+    for (; k < K; ++k) d[k] = at::BFloat16(static_cast<float>(src[k])).x;
+  }
+}
+
+// row_products for int8 weights (weight-only): the float32 template below kI8Bf16MinRows rows,
+// else the codes as bf16 tiles (above). buf: kRowsW * K floats, here holding 4 rows of bf16 codes.
+inline void row_products(const float* x, int64_t M, int64_t K, const int8_t* w, int64_t r0, int64_t rows,
+                         const float* scale, const float* bias, float* buf, float* dots, float* y, int64_t ldy) {
+  if (M < kI8Bf16MinRows) {
+    row_products<int8_t>(x, M, K, w, r0, rows, scale, bias, buf, dots, y, ldy);
+    return;
+  }
+  thread_local std::vector<uint16_t> xb;  // per thread, grown once
+  if (xb.size() < static_cast<size_t>(M * K)) xb.resize(M * K);
+  x_to_bf16(x, M * K, xb.data());
+  uint16_t* wb = reinterpret_cast<uint16_t*>(buf);
+  for (int64_t b = 0; b < rows; b += kRowsW) {
+    const int nb = static_cast<int>(std::min<int64_t>(kRowsW, rows - b));
+    const int64_t r = r0 + b;
+    codes_to_bf16(w + r * K, nb, K, wb);
+    const float* sc = scale ? scale + r : nullptr;
+    const float* bs = bias ? bias + r : nullptr;
+    auto tile = [&](auto mb_tag, int64_t m) {
+      constexpr int MB = decltype(mb_tag)::value;
+      float* yt = y + m * ldy + b;
+      if (nb == kRowsW) {
+        dot_tile_bf16<MB, kRowsW>(xb.data() + m * K, K, wb, K, K, false, sc, bs, yt, ldy);
+      } else {
+        for (int j = 0; j < nb; ++j)
+          dot_tile_bf16<MB, 1>(xb.data() + m * K, K, wb + j * K, K, K, false, sc ? sc + j : nullptr,
+                               bs ? bs + j : nullptr, yt + j, ldy);
+      }
+    };
+    for_row_tiles<kRowsX16>(M, tile);
+  }
+}
 #endif  // __AVX512BF16__
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
