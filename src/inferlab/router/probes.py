@@ -126,9 +126,11 @@ class Prober:
             for _ in range(self.kv_pages_per_round):
                 if not kv.synced:
                     resp = await self.client.get(name + "/kv_events/snapshot", headers=self.headers, timeout=self.timeout_s)
-                    if resp.status_code == 404:
+                    if resp.status_code in (401, 403, 404):
                         kv.supported = False
-                        logger.info("replica %s publishes no KV events: speculative prefix entries only", name)
+                        why = "publishes no KV events" if resp.status_code == 404 else \
+                            f"refuses the router's key for /kv_events (HTTP {resp.status_code}; see --backend-api-key)"
+                        logger.warning("replica %s %s: speculative prefix entries only", name, why)
                         return
                     if resp.status_code != 200:
                         return
