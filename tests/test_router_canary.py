@@ -90,8 +90,19 @@ def test_cli_refuses_bad_canaries(argv, message):
     add_arguments(p)
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         settings_from_args(p.parse_args(["--backend", "http://127.0.0.1:8", *argv]))
-    ok = settings_from_args(p.parse_args(["--backend", "http://127.0.0.1:8", "--canary", "http://127.0.0.1:9/v1=0.25"]))
-    assert ok.canaries == ("http://127.0.0.1:9",) and ok.canary.weight == 0.25
+    ok = settings_from_args(p.parse_args(["--backend", "http://127.0.0.1:8", "--canary", "http://127.0.0.1:9/v1=0.25",
+                                          "--canary-version", "v2"]))  # fmt: skip
+    assert ok.canaries == ("http://127.0.0.1:9",) and ok.canary.weight == 0.25 and ok.versions == ("stable", "v2")
+
+
+def test_router_cli_bad_tenants_file_is_one_line(tmp_path, capsys):
+    from inferlab.cli import main
+
+    bad = tmp_path / "keys.json"
+    bad.write_text('{"tenants": [{"name": "a", "keys": ["k"], "max_tokens": 0}]}')
+    assert main(["router", "--backend", "http://127.0.0.1:8", "--api-keys", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "keys.json:1" in err and "max_tokens" in err and "Traceback" not in err
 
 
 # ---------------------------------------------------------------------- over HTTP
@@ -149,7 +160,7 @@ def test_admin_promote_rollback_and_weights():
         assert httpx.get(url, timeout=5).status_code == 401
         assert httpx.get(url, headers=key, timeout=5).json()["weight"] == pytest.approx(0.1)
         r = httpx.post(url, headers=key, json={"action": "promote"}, timeout=5)
-        assert r.json()["state"] == "promoted"
+        assert r.json()["state"] == "promoted" and r.json()["pools"]["canary"]["version"] == "canary"
         before = stable.stats.chat_or_completion_requests
         for i in range(5):
             assert complete(srv, i, headers=key).status_code == 200
@@ -164,3 +175,28 @@ def test_admin_promote_rollback_and_weights():
         assert (r.json()["state"], r.json()["weight"]) == ("active", 0.5)
         samples = scrape(srv.base_url, headers=key)
         assert metric(samples, "inferlab:router_canary_rollbacks_total", reason="manual") == 1
+
+
+def test_requests_in_flight_on_the_canary_finish_after_a_rollback():
+    import threading
+
+    stable, canary = FakeOpenAIServer(("ok",)), FakeOpenAIServer(("ok",), token_delay_s=0.2)
+    key = {"authorization": "Bearer k"}
+    with release(stable, canary, api_key="k", canary=CanaryConfig(weight=1.0)) as srv:
+        out: dict = {}
+
+        def run() -> None:
+            with httpx.stream("POST", srv.url("/v1/completions"), headers=key, timeout=20,
+                              json={"prompt": "long answer", "max_tokens": 6, "stream": True}) as r:  # fmt: skip
+                out["events"] = list(sse_events(r))
+
+        t = threading.Thread(target=run)
+        t.start()
+        wait_until(lambda: canary.running == 1, 10, "the stream running on the canary")
+        r = httpx.post(srv.url("/admin/canary"), headers=key, json={"action": "rollback"}, timeout=5)
+        assert r.json()["weight"] == 0.0
+        t.join(20)
+        events = out["events"]
+        assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events)
+        assert "".join((c.get("text") or "") for e in events if isinstance(e, dict) for c in e.get("choices", [])).count("w") == 6
+        assert complete(srv, 1, headers=key).status_code == 200 and canary.stats.chat_or_completion_requests == 1

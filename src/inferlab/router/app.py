@@ -61,6 +61,7 @@ class RouterSettings:
     health: HealthConfig = field(default_factory=HealthConfig)
     canaries: tuple[str, ...] = ()  # a second pool (the new version) behind `canary` (canary.py)
     canary: CanaryConfig = field(default_factory=CanaryConfig)
+    versions: tuple[str, str] = ("stable", "canary")  # version labels of the two pools
     admin_key: str | None = None  # for /admin/canary; None: the api_key; neither: the admin routes refuse
 
 
@@ -88,7 +89,7 @@ async def _client_gone(raw: Request) -> None:
 def build_router_app(settings: RouterSettings, *, tokenizer: PromptTokenizer | None = None) -> FastAPI:
     backends = [normalize_backend(b) for b in settings.backends]
     canaries = [normalize_backend(b) for b in settings.canaries]
-    canary = Canary(backends, canaries, settings.canary) if canaries else None
+    canary = Canary(backends, canaries, settings.canary, settings.versions) if canaries else None
     fleet = Fleet(backends + canaries, make_policy(settings.policy), index=PrefixIndex(ttl_s=settings.prefix_ttl_s),
                   health=settings.health, prefill_rate=settings.prefill_rate,
                   metrics_max_age_s=settings.metrics_max_age_s, speculative_ttl_s=settings.speculative_ttl_s)  # fmt: skip
@@ -201,7 +202,7 @@ def build_router_app(settings: RouterSettings, *, tokenizer: PromptTokenizer | N
         else:
             c.rollback("manual")
             metrics.canary_rollbacks.labels(reason="manual").inc()
-        logger.warning("canary %s by the admin: weight %.3g", action, c.weight)
+        logger.warning("canary %s: %s by the admin, weight %.3g", c.versions["canary"], action, c.weight)
         return JSONResponse(c.describe(fleet.clock()))
 
     @app.get("/v1/models", dependencies=guarded)

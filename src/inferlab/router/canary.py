@@ -78,10 +78,12 @@ def p95(values: Sequence[float]) -> float | None:
 
 
 class Canary:
-    def __init__(self, stable: Sequence[str], canary: Sequence[str], config: CanaryConfig | None = None):
+    def __init__(self, stable: Sequence[str], canary: Sequence[str], config: CanaryConfig | None = None,
+                 versions: tuple[str, str] = ("stable", "canary")):  # fmt: skip
         if not stable or not canary:
             raise ValueError("a canary needs a stable pool and a canary pool")
         self.config = config or CanaryConfig()
+        self.versions = dict(zip(POOLS, versions))  # the release each pool runs, for people
         self.members = {"stable": frozenset(stable), "canary": frozenset(canary)}
         self.weight = self.config.weight
         self.state = "active"  # active | rolled_back | promoted
@@ -166,6 +168,7 @@ class Canary:
         st = self.stats(now)
         return {
             "state": self.state, "weight": self.weight, "reason": self.reason, "rollbacks": self.rollbacks,
-            "pools": {p: {"replicas": sorted(self.members[p]), "requests": st[p].requests, "errors": st[p].errors,
+            "pools": {p: {"version": self.versions[p], "replicas": sorted(self.members[p]),
+                          "requests": st[p].requests, "errors": st[p].errors,
                           "error_rate": st[p].error_rate, "ttft_p95_s": st[p].ttft_p95_s} for p in POOLS},
         }  # fmt: skip

@@ -60,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="roll back when the canary's error rate passes the backends' by this (default 0.05)")
     p.add_argument("--canary-max-ttft-ratio", type=float, default=1.5,
                    help="roll back when the canary's TTFT p95 passes the backends' times this (default 1.5)")
+    p.add_argument("--stable-version", default="stable", help="a label for the --backend pool's release")
+    p.add_argument("--canary-version", default="canary", help="a label for the --canary pool's release")
     p.add_argument("--admin-key", default=None,
                    help="the key for GET/POST /admin/canary (promote, rollback, set_weight); default: --api-key")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
@@ -123,6 +125,7 @@ def settings_from_args(args: argparse.Namespace):
         proxy=ProxySettings(max_retries=args.max_retries),
         canaries=tuple(canaries),
         canary=canary,
+        versions=(args.stable_version, args.canary_version),
         admin_key=args.admin_key,
     )
 

@@ -178,7 +178,7 @@ class Proxy:
             reason = c.rollback(f"ejected: every canary replica failed ({error or outcome})")
         if reason is not None:
             self.metrics.canary_rollbacks.labels(reason=reason.split(":")[0]).inc()
-            logger.warning("canary rolled back (weight 0; in-flight requests finish): %s", reason)
+            logger.warning("canary %s rolled back (weight 0; in-flight requests finish): %s", c.versions["canary"], reason)
 
     async def _attempt(self, ticket: Ticket, path: str, body: bytes, headers: dict[str, str],
                        stream: bool) -> Response | _Failure | tuple[Response, _Failure]:  # fmt: skip
