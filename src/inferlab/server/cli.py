@@ -55,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a request may take from arrival before it is aborted (default: none)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--no-kv-events", dest="kv_events", action="store_false",
+                   help="do not serve GET /kv_events (the prefix cache's changes, for `inferlab router`)")
     p.add_argument("--log-prompts", action="store_true", help="include prompt text in the request log lines")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])  # fmt: skip
 
@@ -111,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         max_queue_len=queue_len(args.max_queue_len, config.scheduler.max_num_seqs),
         request_timeout=args.request_timeout,
         shutdown_timeout=args.shutdown_timeout,
+        kv_events=args.kv_events,
     )
 
     def make_engine():
