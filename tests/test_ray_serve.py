@@ -8,6 +8,7 @@ one whose replica died before answering on the other)."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import socket
 import time
 
@@ -35,6 +36,9 @@ def cluster(tmp_path_factory):
     from inferlab.models.testing import make_tiny_hf_model
 
     model = make_tiny_hf_model(tmp_path_factory.mktemp("tiny") / "m")
+    # Ray's memory monitor kills workers when the machine is near full, whoever fills it (other
+    # test runs on a shared box); the replicas here are a few hundred MB.
+    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     port = free_port()
     try:

@@ -127,3 +127,14 @@ def test_scorer_forgets_a_dead_replica():
     owner = scorer.rank({"token_ids": prompt}, cands)[0]
     scorer.forget(owner)
     assert scorer.index.size(owner) == 0
+
+
+def test_a_downscale_decision_is_held_until_serve_moves():
+    """Serve applies its own downscale delay: the policy must keep asking, not ask once."""
+    clock = Clock()
+    policy = QueuedTokensPolicy(target_queued_tokens=100, downscale_delay_s=3, clock=clock)
+    decisions = []
+    for t in range(8):
+        clock.t = float(t)
+        decisions.append(policy(ctx([0, 0], 2))[0])  # the target stays 2 while Serve waits
+    assert decisions == [2, 2, 2, 1, 1, 1, 1, 1]

@@ -33,6 +33,7 @@ class QueuedTokensPolicy:
         self.downscale_delay_s = downscale_delay_s
         self.clock = clock
         self._want_fewer_since: float | None = None
+        self._last_current: int | None = None
         self.timeline: list[tuple[float, float, int, int]] = []  # (t, queued tokens, current, decided)
 
     def desired(self, queued_tokens: float, lo: int, hi: int) -> int:
@@ -45,17 +46,18 @@ class QueuedTokensPolicy:
         current = ctx.target_num_replicas
         want = self.desired(queued, lo, hi)
         now = self.clock()
+        if current != self._last_current:  # the target moved: a new step needs its own delay
+            self._want_fewer_since = None
+            self._last_current = current
         if want >= current:
             self._want_fewer_since = None
             decided = want
-        elif self._want_fewer_since is None:
-            self._want_fewer_since = now
-            decided = current
-        elif now - self._want_fewer_since >= self.downscale_delay_s:
-            self._want_fewer_since = now  # one step down per delay
-            decided = current - 1
         else:
-            decided = current
+            if self._want_fewer_since is None:
+                self._want_fewer_since = now
+            # Once the delay has passed, keep asking for one fewer (Serve wants a decision held
+            # for its own downscale delay) until the target moves.
+            decided = current - 1 if now - self._want_fewer_since >= self.downscale_delay_s else current
         self.timeline.append((now, queued, current, decided))
         del self.timeline[:-1000]
         state = dict(ctx.policy_state or {})

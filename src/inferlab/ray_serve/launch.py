@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import logging
 import math
+import os
 import signal
 import threading
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("inferlab.ray_serve")
 INSTALL = "Ray Serve is not installed: pip install 'inferlab[ray]' (ray[serve]==2.60.0)"
+HANDLE_METRICS_ENV = "RAY_SERVE_COLLECT_AUTOSCALING_METRICS_ON_HANDLE"
 ROUTING_STATS_PERIOD_S = 1.0  # Serve's default is 10 s: far too old for queue-aware routing
 
 
@@ -114,7 +116,8 @@ def engine_options(cfg: ScaleConfig, engine_args: EngineArgs, settings: ServerSe
     seats = engine_args.max_num_seqs + (settings.max_queue_len or 4 * engine_args.max_num_seqs)
     opts: dict[str, Any] = dict(
         name="engine",
-        ray_actor_options={"num_cpus": cfg.replica_cpus},
+        ray_actor_options={"num_cpus": cfg.replica_cpus,
+                           "runtime_env": {"env_vars": {HANDLE_METRICS_ENV: os.environ.get(HANDLE_METRICS_ENV, "0")}}},
         max_ongoing_requests=seats,
         health_check_period_s=2.0,
         health_check_timeout_s=30.0,
@@ -131,6 +134,9 @@ def engine_options(cfg: ScaleConfig, engine_args: EngineArgs, settings: ServerSe
         opts["autoscaling_config"] = AutoscalingConfig(
             min_replicas=cfg.min_replicas, max_replicas=cfg.max_replicas, initial_replicas=cfg.min_replicas,
             metrics_interval_s=1.0, look_back_period_s=2.0,
+            # Serve's own delays (30 s up by default) sit on top of the policy's: up at once,
+            # the downscale delay is the policy's (QueuedTokensPolicy).
+            upscale_delay_s=1.0, downscale_delay_s=1.0,
             policy=AutoscalingPolicy(policy_function="inferlab.ray_serve.autoscale:QueuedTokensPolicy",
                                      policy_kwargs={"target_queued_tokens": cfg.target_queued_tokens,
                                                     "downscale_delay_s": cfg.downscale_delay_s}),
@@ -149,6 +155,12 @@ def deploy(cfg: ScaleConfig, engine_args: EngineArgs, settings: ServerSettings, 
 
     if engine_args.num_threads is None:  # torch threads = the CPUs the replica reserves
         engine_args = dataclasses.replace(engine_args, num_threads=max(1, math.floor(cfg.replica_cpus)))
+    # Replicas push their own autoscaling metrics (queued_tokens comes from them); Serve's
+    # default collects ongoing requests on the handles instead and then never starts the
+    # replicas' pusher, so a custom metric never reaches the policy (Ray 2.60). Read by the
+    # controller and the replicas: set before the local cluster starts; a cluster joined with
+    # --ray-address needs it in its environment too.
+    os.environ.setdefault(HANDLE_METRICS_ENV, "0")
     if not ray.is_initialized():
         ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=False, configure_logging=False)
     serve.start(http_options={"host": host, "port": port})
