@@ -15,7 +15,7 @@ from inferlab.engine.ngram_proposer import NgramProposer
 from inferlab.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from inferlab.engine.request import SamplingParams
 from inferlab.engine.scheduler import Scheduler
-from inferlab.engine.spec_decode import SpecDecodeStats, accept_greedy
+from inferlab.engine.spec_decode import SpecDecodeStats, accept_greedy, position_rows
 
 # ---------------------------------------------------------------- the proposer
 
@@ -228,13 +228,19 @@ def test_the_budget_is_shared_with_other_requests():
 
 @pytest.mark.parametrize("params", [dict(temperature=0.8), dict(temperature=0.0, repetition_penalty=1.2),
                                     dict(temperature=0.0, min_tokens=5)])
-def test_no_drafts_where_argmax_verification_would_not_be_exact(params):
+def test_drafts_for_sampled_penalised_and_min_tokens_requests(params):
+    """Verification samples each position as decoding one at a time would (rejection
+    sampling), so these get drafts too: their rows see the drafts before them as output."""
     sched = spec_scheduler()
     r = make_request("r", PROMPT, max_tokens=32)
     r.sampling_params = SamplingParams(max_tokens=32, **params)
     prefill(sched, r)
     so = sched.schedule()
-    assert so.scheduled[0].num_draft_tokens == 0 and len(so.scheduled[0].token_ids) == 1
+    s = so.scheduled[0]
+    assert s.num_draft_tokens == 4
+    rows = position_rows(s)
+    assert [len(v.output_token_ids) for v in rows] == [1, 2, 3, 4, 5]
+    assert rows[3].output_token_ids == s.output_token_ids + s.draft_token_ids[:3]
 
 
 def test_a_stop_token_inside_the_accepted_run_ends_it_there():

@@ -145,9 +145,9 @@ class SpeculativeConfig:
     draft the K tokens that followed the most recent earlier occurrence of the longest suffix
     n-gram (prompt_lookup_max down to prompt_lookup_min tokens) of the request's own tokens.
 
-    Greedy requests only in this slice: the drafts are verified by argmax, so the output is the
-    same tokens as without; a request with temperature > 0 (or penalties, or min_tokens still
-    pending) is decoded one token per step, never from a changed distribution.
+    Any sampling settings: verification samples the target at each draft position and keeps
+    drafts while they match (argmax when greedy: the same tokens as without; rejection sampling
+    when temperature > 0: the same distribution, and with a seed the same tokens).
     """
 
     method: str = "ngram"

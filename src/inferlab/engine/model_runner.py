@@ -21,7 +21,7 @@ from inferlab.config import CacheConfig, LoadConfig, ModelConfig
 from inferlab.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from inferlab.engine.request import Logprob, TokenLogprobs
 from inferlab.engine.sampler import Sampler
-from inferlab.engine.spec_decode import accept_greedy
+from inferlab.engine.spec_decode import accept_greedy, position_rows
 from inferlab.models.attention import (
     TILED_FRESH_MAX,
     AttentionMetadata,
@@ -114,8 +114,9 @@ class ModelRunner:
         if self.device.type != "cpu":
             logits = logits.cpu()  # the sampler (penalties, seeds, logprobs) runs on the host
         spec = any(s.num_draft_tokens for s in sampled_rows)
-        # One logits row per position of a request with drafts, one per other sampled request.
-        rows = [s for s in sampled_rows for _ in range(1 + s.num_draft_tokens)] if spec else sampled_rows
+        # One logits row per position of a request with drafts (each seeing the drafts before it
+        # as its output so far), one per other sampled request.
+        rows = [v for s in sampled_rows for v in position_rows(s)] if spec else sampled_rows
         out = self.sampler(logits, rows)
         # Back to the scheduler's order.
         by_id: dict[str, int] = {}

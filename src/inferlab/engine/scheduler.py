@@ -260,15 +260,13 @@ class Scheduler:
         return output
 
     def _propose(self, request: Request, budget: int) -> list[int]:
-        """Drafts for a decode, or []: greedy requests only (verification by argmax keeps their
-        output exact; temperature > 0 needs rejection sampling, not done yet), none while
-        penalties or a pending min_tokens make the target depend on the tokens before it, and
-        no more than the budget, max_tokens, the context window and the free blocks leave room
-        for (a guess never preempts anyone)."""
+        """Drafts for a decode, or []: no more than the budget, max_tokens, the context window
+        and the free blocks leave room for (a guess never preempts anyone). Any sampling
+        settings: the runner verifies by sampling each position as decoding one at a time would
+        (engine/spec_decode.py), so greedy output is exact and sampled output keeps its
+        distribution."""
         assert self.proposer is not None
         params = request.sampling_params
-        if not params.greedy or params.has_penalties or request.num_output_tokens < params.min_tokens:
-            return []
         room = min(budget - 1, self._max_len(request) - request.num_tokens - 1,
                    self.kv_cache_manager.num_free_slots(request) - 1)
         if params.max_tokens is not None:
