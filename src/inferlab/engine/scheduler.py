@@ -50,7 +50,14 @@ from inferlab.engine.outputs import (
     SchedulerStats,
 )
 from inferlab.engine.request import Request, RequestStatus, TokenLogprobs
-from inferlab.engine.spec_decode import SpecDecodeStats
+from inferlab.engine.spec_decode import Proposer, SpecDecodeStats
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    """The torch-free proposers; a draft model's is the engine's to build (it runs a model)."""
+    if config.method == "ngram":
+        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min)
+    raise ValueError(f"speculative method {config.method!r} needs its proposer passed in (the engine builds it)")
 
 
 class Scheduler:
@@ -63,6 +70,7 @@ class Scheduler:
         num_blocks: int,
         clock: Callable[[], float] = time.monotonic,
         speculative_config: SpeculativeConfig | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         if scheduler_config.max_model_len is None:
             raise ValueError("the scheduler needs a resolved max_model_len (LLMEngine sets it from the model)")
@@ -78,10 +86,10 @@ class Scheduler:
         # Requests that left since the last schedule(): the runner drops their state.
         self.finished_request_ids: set[str] = set()
         self.num_preemptions = 0  # cumulative
-        self.proposer: NgramProposer | None = None
-        if speculative_config is not None:
-            self.proposer = NgramProposer(speculative_config.num_speculative_tokens,
-                                          speculative_config.prompt_lookup_max, speculative_config.prompt_lookup_min)
+        # The drafts' source: the engine passes a draft model's; n-gram and suffix are made here.
+        self.proposer: Proposer | None = proposer
+        if proposer is None and speculative_config is not None:
+            self.proposer = make_proposer(speculative_config)
         self.spec_stats = SpecDecodeStats()  # cumulative
 
     # ------------------------------------------------------------------ requests in and out
@@ -132,6 +140,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self.finished_request_ids.add(request.request_id)
         del self.requests[request.request_id]
+        if self.proposer is not None:
+            self.proposer.finish(request)
 
     def _drop_finished(self, finished: list[Request]) -> None:
         """Remove finished requests from both queues in one O(n) pass each (not O(n) per request)."""
@@ -188,6 +198,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         now = self.clock()
         chosen: list[tuple[Request, int]] = []
+        proposed = self._propose_all(budget) if self.proposer is not None else {}
         drafts_of: dict[str, list[int]] = {}
         preempted: set[str] = set()
 
@@ -198,9 +209,11 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            if self.proposer is not None and num_new == 1 and request.num_computed_tokens == request.num_tokens - 1:
-                drafts = self._propose(request, budget)
-                # Drafts only where their blocks are free: never preempt anyone for a guess.
+            drafts = proposed.get(request.request_id)
+            if drafts and num_new == 1 and request.num_computed_tokens == request.num_tokens - 1:
+                # What the budget left now, and drafts only where their blocks are free: never
+                # preempt anyone for a guess.
+                drafts = drafts[: min(budget - 1, kv.num_free_slots(request) - 1)]
                 if drafts and kv.allocate_slots(request, 1 + len(drafts)) is not None:
                     drafts_of[request.request_id] = drafts
                     chosen.append((request, 1 + len(drafts)))
@@ -259,21 +272,25 @@ class Scheduler:
             request.num_computed_tokens += num_new
         return output
 
-    def _propose(self, request: Request, budget: int) -> list[int]:
-        """Drafts for a decode, or []: no more than the budget, max_tokens, the context window
-        and the free blocks leave room for (a guess never preempts anyone). Any sampling
-        settings: the runner verifies by sampling each position as decoding one at a time would
-        (engine/spec_decode.py), so greedy output is exact and sampled output keeps its
-        distribution."""
+    def _propose_all(self, budget: int) -> dict[str, list[int]]:
+        """Drafts for every running request in decode (one proposer call for the step), each
+        no longer than the budget, max_tokens and the context window leave room for; the
+        schedule loop trims them to what is left of the budget and the free blocks. Any
+        sampling settings: the runner verifies by sampling each position as decoding one at a
+        time would (engine/spec_decode.py), so greedy output is exact and sampled output keeps
+        its distribution."""
         assert self.proposer is not None
-        params = request.sampling_params
-        room = min(budget - 1, self._max_len(request) - request.num_tokens - 1,
-                   self.kv_cache_manager.num_free_slots(request) - 1)
-        if params.max_tokens is not None:
-            room = min(room, params.max_tokens - request.num_output_tokens - 1)
-        if room <= 0:
-            return []
-        return self.proposer.propose(request.all_token_ids, room)
+        batch: list[tuple[Request, int]] = []
+        for request in self.running:
+            if request.num_computed_tokens != request.num_tokens - 1:
+                continue  # a prefill chunk, or recomputing after preemption
+            params = request.sampling_params
+            room = min(budget - 1, self._max_len(request) - request.num_tokens - 1)
+            if params.max_tokens is not None:
+                room = min(room, params.max_tokens - request.num_output_tokens - 1)
+            if room > 0:
+                batch.append((request, room))
+        return self.proposer.propose_requests(batch) if batch else {}
 
     def _make_scheduled(self, request: Request, num_new: int, drafts: list[int]) -> ScheduledRequest:
         start = request.num_computed_tokens

@@ -19,8 +19,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from inferlab.engine.outputs import ScheduledRequest
+from inferlab.engine.request import Request
+
+
+class Proposer(Protocol):
+    """What the scheduler asks for drafts: n-gram and suffix (pure Python) or a draft model
+    (the engine builds that one; the scheduler sees only this)."""
+
+    def propose_requests(self, batch: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        """Drafts for each (request in decode, at most this many): request id → drafts
+        (absent or [] for none). One call per step, so a draft model runs the batch at once."""
+        ...
+
+    def finish(self, request: Request) -> None:
+        """The request left (finished or aborted): drop its state (a suffix proposer keeps its
+        output for others)."""
+        ...
 
 
 def position_rows(s: ScheduledRequest) -> list[ScheduledRequest]:
