@@ -51,12 +51,17 @@ from inferlab.engine.outputs import (
 )
 from inferlab.engine.request import Request, RequestStatus, TokenLogprobs
 from inferlab.engine.spec_decode import Proposer, SpecDecodeStats
+from inferlab.engine.suffix_proposer import SuffixProposer
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
     """The torch-free proposers; a draft model's is the engine's to build (it runs a model)."""
     if config.method == "ngram":
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min)
+    if config.method == "suffix":
+        return SuffixProposer(config.num_speculative_tokens, config.suffix_decoding_max_tree_depth,
+                              config.suffix_decoding_max_cached_requests, config.suffix_decoding_max_spec_factor,
+                              config.suffix_decoding_min_token_prob)
     raise ValueError(f"speculative method {config.method!r} needs its proposer passed in (the engine builds it)")
 
 
