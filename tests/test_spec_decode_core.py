@@ -73,6 +73,7 @@ def test_stats_count_per_position():
     s.observe(2, 2)
     assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (3, 9, 4)
     assert s.accepted_per_pos == [2, 2, 0, 0]
+    assert s.drafted_per_pos == [3, 3, 2, 1]
     assert s.mean_accepted_length == pytest.approx(1 + 4 / 3)
 
 
@@ -104,6 +105,14 @@ def test_config_parses_json_and_dicts():
         ('[4]', "JSON object"),
         ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 2, "prompt_lookup_min": 3}',
          "prompt_lookup_min"),
+        ('{"method": "suffix", "num_speculative_tokens": 17}', "num_speculative_tokens"),
+        ('{"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_min_token_prob": 1.5}',
+         "suffix_decoding_min_token_prob"),
+        ('{"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 0}',
+         "suffix_decoding_max_tree_depth"),
+        ('{"method": "suffix", "num_speculative_tokens": 4, "prompt_lookup_max": 3}', "'prompt_lookup_max' not read"),
+        ('{"method": "draft_model", "num_speculative_tokens": 0, "model": "m"}', "num_speculative_tokens"),
+        ('{"method": "ngram", "num_speculative_tokens": 4, "adaptive": "yes"}', "adaptive"),
     ],
 )
 def test_config_errors_name_the_problem(spec, message):
@@ -121,7 +130,7 @@ def test_the_flag_reaches_the_engine_config():
 
 # ---------------------------------------------------------------- the scheduler with drafts
 
-SPEC = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+SPEC = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1, adaptive=False)
 PROMPT = [10, 11, 12, 13, 14, 10, 11, 12]  # after a sampled 13, the 3-gram [11, 12, 13] recurs: drafts 14 10 11 12
 
 

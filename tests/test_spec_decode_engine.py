@@ -11,7 +11,8 @@ from same_outputs import assert_same_greedy
 from inferlab import LLM, SamplingParams
 from inferlab.models.testing import make_tiny_hf_model
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# adaptive off: these tests count drafts, which the "when it pays" rule would vary with step timings.
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1, "adaptive": False}
 
 
 def prompts() -> list[list[int]]:
@@ -78,6 +79,18 @@ def test_chunked_prefill_and_preemption(llama):
 
 def _model_dir(llm: LLM) -> str:
     return str(llm.engine.config.load.model)
+
+
+def test_the_when_it_pays_rule_keeps_the_output(llama):
+    """Adaptive (the default): fewer or no drafts where they do not pay, the same tokens."""
+    base, spec = llama
+    llm = LLM(_model_dir(spec), dtype="float32", num_kv_blocks=256, speculative_config={**SPEC, "adaptive": True})
+    assert llm.engine.scheduler.policy is not None
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = base.generate(prompts(), params)
+    got = llm.generate(prompts(), params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert llm.engine.get_stats().spec_num_accepted_tokens > 0
 
 
 def test_the_prefix_cache_never_serves_a_rejected_draft(llama):

@@ -13,7 +13,7 @@ from inferlab import LLM, SamplingParams
 from inferlab.engine import model_runner
 from inferlab.models.testing import make_tiny_hf_model
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1, "adaptive": False}
 A, B, C, D = 40, 41, 42, 43  # the tokens the histogram test allows
 PROMPT = [A, B, C, A, B, C, A, B, C, A, B]  # periodic: prompt lookup drafts at every step
 

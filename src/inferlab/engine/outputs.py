@@ -110,3 +110,4 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    spec_drafted_per_pos: tuple[int, ...] = ()  # verifications with a draft at each position

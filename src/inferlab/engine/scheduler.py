@@ -51,6 +51,7 @@ from inferlab.engine.outputs import (
 )
 from inferlab.engine.request import Request, RequestStatus, TokenLogprobs
 from inferlab.engine.spec_decode import Proposer, SpecDecodeStats
+from inferlab.engine.spec_policy import SpecPolicy
 from inferlab.engine.suffix_proposer import SuffixProposer
 
 
@@ -95,6 +96,10 @@ class Scheduler:
         self.proposer: Proposer | None = proposer
         if proposer is None and speculative_config is not None:
             self.proposer = make_proposer(speculative_config)
+        # Whether drafts are expected to pay, per request and step (None: always K).
+        self.policy: SpecPolicy | None = None
+        if speculative_config is not None and speculative_config.adaptive:
+            self.policy = SpecPolicy(speculative_config.num_speculative_tokens)
         self.spec_stats = SpecDecodeStats()  # cumulative
 
     # ------------------------------------------------------------------ requests in and out
@@ -147,6 +152,8 @@ class Scheduler:
         del self.requests[request.request_id]
         if self.proposer is not None:
             self.proposer.finish(request)
+        if self.policy is not None:
+            self.policy.forget(request.request_id)
 
     def _drop_finished(self, finished: list[Request]) -> None:
         """Remove finished requests from both queues in one O(n) pass each (not O(n) per request)."""
@@ -285,17 +292,24 @@ class Scheduler:
         time would (engine/spec_decode.py), so greedy output is exact and sampled output keeps
         its distribution."""
         assert self.proposer is not None
+        decoding = [r for r in self.running if r.num_computed_tokens == r.num_tokens - 1]  # not prefilling
         batch: list[tuple[Request, int]] = []
-        for request in self.running:
-            if request.num_computed_tokens != request.num_tokens - 1:
-                continue  # a prefill chunk, or recomputing after preemption
+        for request in decoding:
             params = request.sampling_params
             room = min(budget - 1, self._max_len(request) - request.num_tokens - 1)
             if params.max_tokens is not None:
                 room = min(room, params.max_tokens - request.num_output_tokens - 1)
+            if self.policy is not None and room > 0:
+                room = min(room, self.policy.num_drafts(request.request_id, len(decoding)))
             if room > 0:
                 batch.append((request, room))
-        return self.proposer.propose_requests(batch) if batch else {}
+        if not batch:
+            return {}
+        t0 = self.clock()
+        drafts = self.proposer.propose_requests(batch)
+        if self.policy is not None:
+            self.policy.observe_proposal(self.clock() - t0, sum(len(d) for d in drafts.values()))
+        return drafts
 
     def _make_scheduled(self, request: Request, num_new: int, drafts: list[int]) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -325,6 +339,8 @@ class Scheduler:
         window (finish "length"). Requests aborted since the step was scheduled are skipped.
         """
         self.kv_cache_manager.mark_written()
+        if self.policy is not None and all(len(s.token_ids) == 1 + s.num_draft_tokens for s in scheduler_output.scheduled):
+            self.policy.observe_step(scheduler_output.num_scheduled_tokens, runner_output.step_time)
         now = self.clock()
         outputs: list[EngineCoreOutput] = []
         finished: list[Request] = []
@@ -354,6 +370,8 @@ class Scheduler:
                     break
             if k:
                 self.spec_stats.observe(k, len(tokens) - 1)
+                if self.policy is not None:
+                    self.policy.observe_verdict(rid, k, len(tokens) - 1)
             if status is not None:
                 self._finish(request, status)
                 finished.append(request)
@@ -436,6 +454,7 @@ class Scheduler:
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_accepted_per_pos=tuple(self.spec_stats.accepted_per_pos),
+            spec_drafted_per_pos=tuple(self.spec_stats.drafted_per_pos),
         )
 
     def reset_prefix_cache(self) -> int:

@@ -75,6 +75,9 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # [j]: drafts accepted at position j
+    # [j]: verifications that had a draft at position j (drafts vary in length: the policy, suffix
+    # confidence, the budget), so accepted_per_pos[j] / drafted_per_pos[j] is position j's rate.
+    drafted_per_pos: list[int] = field(default_factory=list)
 
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
         """One request-step's verdict: `num_accepted` of its `num_draft_tokens` drafts kept."""
@@ -85,6 +88,10 @@ class SpecDecodeStats:
             self.accepted_per_pos.extend([0] * (num_draft_tokens - len(self.accepted_per_pos)))
         for j in range(num_accepted):
             self.accepted_per_pos[j] += 1
+        if len(self.drafted_per_pos) < num_draft_tokens:
+            self.drafted_per_pos.extend([0] * (num_draft_tokens - len(self.drafted_per_pos)))
+        for j in range(num_draft_tokens):
+            self.drafted_per_pos[j] += 1
 
     @property
     def mean_accepted_length(self) -> float:
