@@ -11,8 +11,9 @@ the acceptance rate per draft position (accepted / verifications that had a draf
 whether the greedy token ids were identical to plain decoding's, and the load average.
 
 Workloads: copy-heavy (repeat a given text; edit a given text; edit a given function) and plain
-chat. With N streams each stream gets its own variant of the prompt (a numbered preamble), so
-they share no prefix and no reply.
+chat. With N streams each stream of a copy-heavy workload gets its own variant of the prompt (a
+numbered preamble); plain chat gets a new question per stream and turn (suffix decoding's
+global tree would answer a repeated one from its earlier reply).
 
     .venv/bin/python benchmarks/spec_decode.py [--model PATH] [--k 4] [--methods ngram,suffix]
         [--draft-model PATH] [--streams 1,32] [--runs 3] [--max-tokens 96] [--always] [--json]
@@ -44,6 +45,14 @@ WORKLOADS = {
     "code": f"Rename the variable `subtotal` to `net` in this function and print the whole function:\n\n{CODE}",
     "chat": "Tell me about the history of Rome, from its founding to the fall of the Western Empire.",
 }
+# Plain chat gets a new question per stream and turn: suffix decoding's global tree holds the
+# replies of earlier requests, and a question asked again would be answered from it.
+TOPICS = ("Rome", "Egypt", "China", "the Inca", "Japan", "Persia", "Greece", "the Vikings", "Mali", "Byzantium",
+          "the Maya", "Venice", "Poland", "Ethiopia", "Korea", "the Mongols", "Portugal", "Carthage", "Siam",
+          "the Aztecs", "Scotland", "Vietnam", "Babylon", "Prussia", "the Ottomans", "Ghana", "Sweden", "Tibet",
+          "Peru", "Hungary", "Java", "Armenia")
+QUESTIONS = ("Tell me about the history of {}.", "What is the food of {} like?", "Describe the art of {}.",
+             "What were the wars of {} about?", "Which cities matter most in {}, and why?")
 COPY_HEAVY = ("copy", "edit", "code")
 
 
@@ -60,7 +69,12 @@ def spec_config(method: str, args: argparse.Namespace) -> dict | None:
     return spec
 
 
-def prompts_for(name: str, streams: int) -> list[list[dict]]:
+def prompts_for(name: str, streams: int, turn: int) -> list[list[dict]]:
+    """Turn `turn`'s conversations: chat a new question per stream and turn, the copy-heavy
+    prompts numbered per stream."""
+    if name == "chat":
+        idx = [(turn * streams + i) % (len(TOPICS) * len(QUESTIONS)) for i in range(streams)]
+        return [[{"role": "user", "content": QUESTIONS[j // len(TOPICS)].format(TOPICS[j % len(TOPICS)])}] for j in idx]
     if streams == 1:
         return [[{"role": "user", "content": WORKLOADS[name]}]]
     return [[{"role": "user", "content": f"Task {i + 1} of {streams}. {WORKLOADS[name]}"}] for i in range(streams)]
@@ -116,13 +130,13 @@ def main() -> None:
     rows = []
     for name in args.workloads.split(","):
         for streams in streams_list:
-            convs = prompts_for(name, streams)
             for llm in engines.values():  # warm-up, each
-                one_turn(llm, convs, params)
+                one_turn(llm, prompts_for(name, streams, 0), params)
             before = {m: engines[m].engine.get_stats() for m in methods}
             speeds: dict[str, list[float]] = {m: [] for m in engines}
             same = {m: True for m in methods}
-            for _ in range(args.runs):
+            for turn in range(1, args.runs + 1):
+                convs = prompts_for(name, streams, turn)
                 tb, ids_b = one_turn(engines["off"], convs, params)
                 speeds["off"].append(tb)
                 for m in methods:

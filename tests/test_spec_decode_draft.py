@@ -5,7 +5,10 @@ chunked prefill and preemption; seeded sampling (n > 1 too) the same tokens; ano
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
+import torch
 from same_outputs import assert_same_greedy
 from test_spec_decode_engine import prompts
 
@@ -91,3 +94,61 @@ def test_config_errors(bad, message):
 
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig.parse(bad)
+
+
+# ---------------------------------------------------------------- sampled drafts: min(1, p/q), the residual
+
+
+def _one_step_histogram(rule, p, q, n: int, seed: int) -> Counter:
+    """The first token a verification step yields, for one draft drawn from q, n times."""
+    g = torch.Generator().manual_seed(seed)
+    drafts = torch.multinomial(q[0], n, replacement=True, generator=g).tolist()
+    u = torch.rand(n, 3, dtype=torch.float64, generator=g)  # independent: one to accept, two to resample
+    return Counter(rule(p, q, [x], u[i, :1], u[i, 1:])[0] for i, x in enumerate(drafts))
+
+
+def test_rejection_sampling_against_q_gives_p_and_a_broken_residual_does_not(monkeypatch):
+    """Chi-square goodness of fit of the step's first token to p (exact here: p is known)."""
+    from inferlab.engine import rejection_sampler
+
+    p = torch.tensor([[0.5, 0.2, 0.2, 0.1, 0.0], [0.2, 0.2, 0.2, 0.2, 0.2]])
+    q = torch.tensor([[0.1, 0.5, 0.1, 0.1, 0.2]])  # very unlike p: many rejections
+
+    def p_value(counts: Counter, n: int) -> float:
+        stat = sum((counts[t] - n * float(p[0, t])) ** 2 / (n * float(p[0, t])) for t in range(4))
+        assert counts[4] == 0  # p(4) = 0 is never output
+        return float(torch.special.gammaincc(torch.tensor(1.5, dtype=torch.float64), torch.tensor(stat / 2.0)))
+
+    n = 4000
+    assert p_value(_one_step_histogram(rejection_sampler.rejection_sample, p, q, n, 0), n) > 1e-3
+    monkeypatch.setattr(rejection_sampler, "residual_of", lambda p, q: p)  # the classic bug: resample from p
+    assert p_value(_one_step_histogram(rejection_sampler.rejection_sample, p, q, n, 0), n) < 1e-3
+
+
+def test_sampled_drafts_through_the_engine_keep_the_distribution(models, base):
+    """A draft model at temperature 1: its drafts drawn from q, verified by min(1, p/q): the
+    histogram of output tokens 1-2 matches plain sampling's; seeded runs repeat themselves."""
+    from test_spec_decode_sampling import PROMPT, A, B, C, D, chi_square_p_value
+
+    target, other = models
+    llm = LLM(target, speculative_config=spec(other, k=2), max_num_seqs=600, **KW)
+    params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=1.0, allowed_token_ids=[A, B, C, D],
+                            logit_bias={A: 1.5, B: 1.0})
+    big = LLM(target, max_num_seqs=600, **KW)
+
+    def hist(engine: LLM, n: int = 600) -> Counter:
+        return Counter(tuple(o.outputs[0].token_ids[1:]) for o in engine.generate([PROMPT] * n, params))
+
+    before = llm.engine.get_stats()
+    got = hist(llm)
+    after = llm.engine.get_stats()
+    drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    assert 0.1 * drafted < accepted < 0.95 * drafted, (accepted, drafted)
+    assert llm.engine.draft_proposer is not None
+    p_value = chi_square_p_value(got, hist(big))
+    print(f"draft model, sampled drafts: {accepted}/{drafted} accepted, chi-square p = {p_value:.3f}")
+    assert p_value > 1e-3
+    seeded = [SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, seed=s) for s in range(3)]
+    first = [o.outputs[0].token_ids for o in llm.generate([PROMPT] * 3, seeded)]
+    assert first == [o.outputs[0].token_ids for o in llm.generate([PROMPT] * 3, seeded)]

@@ -69,6 +69,7 @@ class LLMEngine:
         if config.speculative is not None and config.speculative.method == "draft_model":
             self.draft_proposer = build_draft_proposer(config.speculative, self.model_config, self.model_name, load,
                                                        config.cache, self.num_blocks, self.scheduler_config.max_num_seqs)
+            self.runner.draft_probs = self.draft_proposer.probs_of
         self.scheduler = self._new_scheduler()
         self.eos_token_ids = tuple(
             sorted(set(self.model_config.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ()))

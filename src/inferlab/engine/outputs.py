@@ -73,6 +73,9 @@ class ModelRunnerOutput:
     # logprobs when asked.
     spec_token_ids: dict[str, list[int]] | None = None
     spec_logprobs: dict[str, list[TokenLogprobs | None]] | None = None
+    # When asked (a draft model's runner): the distribution each sampled row was drawn from,
+    # [len(request_ids), vocab] in request_ids' order (Sampler.probs).
+    probs: Any = None
 
 
 @dataclass
