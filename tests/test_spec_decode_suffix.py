@@ -113,3 +113,17 @@ def test_chunked_prefill_and_preemption(tiny):
     stats = small.engine.get_stats()
     assert stats.num_preemptions > 0 and stats.spec_num_accepted_tokens > 0
 
+
+
+def test_the_growing_trees_match_is_the_walking_match():
+    """_Growing.match (the suffix nodes at hand) and SuffixTree.match (bisection, walks) agree."""
+    import random
+
+    rng = random.Random(0)
+    seq = [rng.choice([1, 2, 3]) for _ in range(60)]
+    g = _Growing(depth=6)
+    g.extend(seq)
+    for max_len in range(1, 6):
+        node_a, m_a = g.match(max_len)
+        node_b, m_b = g.tree.match(seq, max_len)
+        assert (node_a, m_a) == (node_b, m_b), max_len

@@ -61,16 +61,29 @@ class SuffixTree:
 
     def match(self, context: Sequence[int], max_len: int) -> tuple[_Node | None, int]:
         """The node of the longest suffix of `context` (at most max_len tokens) that occurred
-        with a continuation, and its length; (None, 0) if none."""
-        for m in range(min(max_len, len(context)), 0, -1):
-            node: _Node | None = self.root
-            for t in context[len(context) - m :]:
-                node = node.children.get(t) if node.children else None  # type: ignore[union-attr]
-                if node is None:
-                    break
+        with a continuation, and its length; (None, 0) if none. A suffix that occurs has every
+        shorter suffix occurring too, so the longest occurring one is found by bisection
+        (log D walks, not D); from there down to the first with a continuation."""
+        lo, hi = 0, min(max_len, len(context))  # suffixes of length lo occur; of more than hi, not
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._find(context, mid) is not None:
+                lo = mid
+            else:
+                hi = mid - 1
+        for m in range(lo, 0, -1):
+            node = self._find(context, m)
             if node is not None and node.children:
                 return node, m
         return None, 0
+
+    def _find(self, context: Sequence[int], m: int) -> _Node | None:
+        node: _Node | None = self.root
+        for t in context[len(context) - m :]:
+            node = node.children.get(t) if node.children else None  # type: ignore[union-attr]
+            if node is None:
+                return None
+        return node
 
 
 class _Growing:
@@ -92,6 +105,15 @@ class _Growing:
                 nxt.append(c)
             self.active = nxt[: depth - 1]
         self.num_tokens = len(tokens)
+
+    def match(self, max_len: int) -> tuple[_Node | None, int]:
+        """SuffixTree.match for the request's own tokens, without a walk: the nodes of the
+        suffixes ending at the last token are at hand, longest last."""
+        for m in range(min(max_len, len(self.active)), 0, -1):
+            node = self.active[m - 1]
+            if node.children:
+                return node, m
+        return None, 0
 
 
 def walk(node: _Node, max_drafts: int, min_prob: float) -> tuple[list[int], float]:
@@ -131,12 +153,12 @@ class SuffixProposer:
                 own = self.local[request.request_id] = _Growing(self.depth)
             tokens = request.all_token_ids
             own.extend(tokens)
-            drafts = self.propose(tokens, room, own.tree)
+            drafts = self.propose(tokens, room, own)
             if drafts:
                 out[request.request_id] = drafts
         return out
 
-    def propose(self, tokens: Sequence[int], room: int, own: SuffixTree | None = None) -> list[int]:
+    def propose(self, tokens: Sequence[int], room: int, own: SuffixTree | _Growing | None = None) -> list[int]:
         """Drafts to follow `tokens`: the better of the request's own tree's proposal and the
         global tree's."""
         best: list[int] = []
@@ -145,7 +167,7 @@ class SuffixProposer:
         for tree in (own, self.global_tree):
             if tree is None:
                 continue
-            node, m = tree.match(tokens, max_match)
+            node, m = tree.match(max_match) if isinstance(tree, _Growing) else tree.match(tokens, max_match)
             if node is None:
                 continue
             limit = min(self.k, room, max(1, int(m * self.factor)))
