@@ -16,6 +16,7 @@ import torch
 
 from inferlab.config import EngineConfig
 from inferlab.engine.detokenizer import IncrementalDetokenizer
+from inferlab.engine.draft_proposer import DraftModelProposer, build_draft_proposer
 from inferlab.engine.errors import ContextLengthError
 from inferlab.engine.generation_config import resolve_sampling_defaults
 from inferlab.engine.heap import HeapTrimmer
@@ -65,6 +66,11 @@ class LLMEngine:
         self.cache_config = config.cache
         self.config = dataclasses.replace(config, scheduler=self.scheduler_config)
         self.speculative_config = config.speculative
+        self.draft_proposer: DraftModelProposer | None = None
+        if config.speculative is not None and config.speculative.method == "draft_model":
+            self.draft_proposer = build_draft_proposer(config.speculative, self.model_config, self.model_name, load,
+                                                       config.cache, self.num_blocks, self.scheduler_config.max_num_seqs)
+            self.runner.draft_probs = self.draft_proposer.probs_of
         self.scheduler = self._new_scheduler()
         self.eos_token_ids = tuple(
             sorted(set(self.model_config.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ()))
@@ -107,8 +113,10 @@ class LLMEngine:
         return pool.events
 
     def _new_scheduler(self) -> Scheduler:
+        if self.draft_proposer is not None:
+            self.draft_proposer.reset()
         return Scheduler(self.scheduler_config, self.cache_config, self.num_blocks,
-                         speculative_config=self.speculative_config)
+                         speculative_config=self.speculative_config, proposer=self.draft_proposer)
 
     @property
     def max_model_len(self) -> int:

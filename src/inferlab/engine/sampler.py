@@ -66,6 +66,45 @@ class Sampler:
             lp = gather_logprobs(raw_logprobs, token_list, rows)
         return SamplerOutput(token_list, lp)
 
+    def probs(self, logits: torch.Tensor, rows: list[ScheduledRequest]) -> torch.Tensor:
+        """The distribution each row's token is sampled from, [N, V] float32: logit bias and
+        allowed tokens, penalties, min_tokens, temperature, top-k/top-p (`apply_top_k_top_p`,
+        the definition `sample_truncated` follows), min-p; one-hot at the argmax for greedy
+        rows. Rejection sampling against a draft distribution needs p itself, not a sample."""
+        if any(r.sampling_params.has_token_constraints for r in rows):
+            logits = apply_token_constraints(logits.clone(), rows)
+        if any(r.sampling_params.has_penalties for r in rows):
+            logits = apply_penalties(logits.clone(), rows)
+        logits = mask_early_stop_tokens(logits, rows)
+        params = [r.sampling_params for r in rows]
+        temp = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float32)
+        scaled = logits / temp.unsqueeze(1)
+        if any(0 < p.top_k < logits.shape[1] for p in params) or any(p.top_p < 1.0 for p in params):
+            scaled = apply_top_k_top_p(scaled, [p.top_k for p in params], [p.top_p for p in params])
+        probs = torch.softmax(scaled, dim=-1)
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32).unsqueeze(1)
+        if bool((min_p > 0).any()):
+            probs = apply_min_p(probs, probs.max(dim=-1, keepdim=True).values, min_p)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        if greedy:
+            idx = torch.tensor(greedy)
+            probs[idx] = torch.nn.functional.one_hot(logits[idx].argmax(dim=-1), logits.shape[1]).to(probs.dtype)
+        return probs
+
+    def uniforms(self, rows: list[ScheduledRequest], stream: int) -> torch.Tensor:
+        """One U[0, 1) per row for a purpose `stream` (1: a draft model's draw, 2: accepting a
+        draft, 3: the residual's draw): a seeded request's from (seed, tokens generated so far,
+        stream), so rejection sampling is as reproducible as sampling; else the sampler's."""
+        u = torch.rand(len(rows), dtype=torch.float64, generator=self.generator)
+        for i, r in enumerate(rows):
+            seed = r.sampling_params.seed
+            if seed is not None:
+                key = (seed * 1_000_003 + len(r.output_token_ids)) * 7 + stream
+                g = torch.Generator().manual_seed(key & 0x7FFF_FFFF_FFFF_FFFF)
+                u[i] = torch.rand(1, dtype=torch.float64, generator=g)
+        return u
+
     def _sample(self, logits: torch.Tensor, rows: list[ScheduledRequest], params: list[SamplingParams]) -> torch.Tensor:
         greedy = torch.tensor([p.greedy for p in params])
         temp = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float32)
