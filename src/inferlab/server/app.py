@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,6 +31,7 @@ from inferlab.engine.async_llm import AsyncLLM, EngineLike
 from inferlab.server import props as server_props
 from inferlab.server.auth import ApiKeyGuard
 from inferlab.server.limits import HttpLimits, LimitsMiddleware
+from inferlab.server.live import LiveStats, Observers
 from inferlab.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics, TenantMetrics, outcome_of_status
 from inferlab.server.openapi import describe_bodies
 from inferlab.server.protocol import (
@@ -42,6 +44,7 @@ from inferlab.server.protocol import (
 from inferlab.server.quotas import TenantGate
 from inferlab.server.serving import OpenAIServing, parse_body, validation_error
 from inferlab.server.tenants import Tenant, TenantTable
+from inferlab.server.webui import add_webui_routes
 
 logger = logging.getLogger("inferlab.server")
 
@@ -60,6 +63,7 @@ class ServerSettings:
     shutdown_timeout: float = 30.0  # seconds to let in-flight requests finish
     stall_timeout: float = 300.0  # one engine call longer than this: /health says 503
     limits: HttpLimits = field(default_factory=HttpLimits)  # body size, client timeouts
+    otlp_traces_endpoint: str | None = None  # each request's trace sent there over OTLP/HTTP (server/otlp.py)
 
     def tenant_table(self) -> TenantTable:
         if self.tenants is not None and self.api_key is not None:
@@ -91,12 +95,18 @@ def build_app(
         on_limited=lambda t, limit: tenant_metrics.rate_limited(t.name, limit),
         on_in_flight=lambda t, n: tenant_metrics.in_flight(t.name, n),
     )
+    live = LiveStats()
+    exporter = None
+    if settings.otlp_traces_endpoint is not None:
+        from inferlab.server.otlp import OtlpTraceExporter
+
+        exporter = OtlpTraceExporter(settings.otlp_traces_endpoint)  # a bad URL or no SDK: ValueError now
     llm = AsyncLLM(
         engine_factory,
         max_queue_len=settings.max_queue_len,
         request_timeout=settings.request_timeout,
         stall_timeout=settings.stall_timeout,
-        observer=metrics,
+        observer=Observers(metrics, live, _TraceExport(exporter)),
     )
     serving = OpenAIServing(
         llm,
@@ -113,11 +123,14 @@ def build_app(
         llm.start()
         yield
         await asyncio.to_thread(llm.shutdown, settings.shutdown_timeout)
+        if exporter is not None:
+            await asyncio.to_thread(exporter.shutdown)
 
     app = FastAPI(title="inferlab", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(LimitsMiddleware, limits=settings.limits)
     app.state.llm = llm
     app.state.metrics = metrics
+    app.state.live = live
     app.state.tenant_metrics = tenant_metrics
     app.state.gate = gate
     app.state.settings = settings
@@ -237,6 +250,28 @@ def build_app(
         req = await parse_body(raw, DetokenizeRequest)
         return JSONResponse(serving.detokenize(req))
 
+    add_webui_routes(app, llm, live, guard)
     describe_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
                           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})  # fmt: skip
     return app
+
+
+class _TraceExport:
+    """Hands each finished request's trace to the OTLP exporter, once the engine has loaded."""
+
+    def __init__(self, exporter: Callable[[Any], None] | None):
+        self.exporter = exporter
+
+    def on_ready(self, engine: Any) -> None:
+        traces = getattr(engine, "traces", None)
+        if self.exporter is not None and traces is not None:
+            traces.on_complete.append(self.exporter)
+
+    def on_outputs(self, outputs: Any, now: float) -> None:
+        pass
+
+    def on_stats(self, stats: Any) -> None:
+        pass
+
+    def on_request_dropped(self, request_id: str, reason: str) -> None:
+        pass
