@@ -9,6 +9,7 @@ on the engine thread, `snapshot()` on the event loop: a lock guards the deques.
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import threading
 import time
@@ -18,32 +19,38 @@ from typing import Any
 from inferlab.engine.outputs import SchedulerStats
 from inferlab.engine.request import RequestOutput
 
+logger = logging.getLogger(__name__)
+
 WINDOW_S = 60.0  # percentiles and the prefix-cache hit rate: over the last minute
 RATE_S = 3.0  # tok/s: averaged over the last few seconds (moves each second, not jittery)
 MAX_SAMPLES = 50_000  # per deque: ~800 tokens/s for a minute
 
 
 class Observers:
-    """Several `EngineObserver`s as one (AsyncLLM takes one)."""
+    """Several `EngineObserver`s as one (AsyncLLM takes one); one that raises does not keep
+    the others from their call."""
 
     def __init__(self, *observers: Any):
         self.observers = observers
 
-    def on_ready(self, engine: Any) -> None:
+    def _each(self, hook: str, *args: Any) -> None:
         for o in self.observers:
-            o.on_ready(engine)
+            try:
+                getattr(o, hook)(*args)
+            except Exception:  # noqa: BLE001 - metrics must never break serving
+                logger.exception("engine observer %s.%s failed", type(o).__name__, hook)
+
+    def on_ready(self, engine: Any) -> None:
+        self._each("on_ready", engine)
 
     def on_outputs(self, outputs: list[RequestOutput], now: float) -> None:
-        for o in self.observers:
-            o.on_outputs(outputs, now)
+        self._each("on_outputs", outputs, now)
 
     def on_stats(self, stats: SchedulerStats) -> None:
-        for o in self.observers:
-            o.on_stats(stats)
+        self._each("on_stats", stats)
 
     def on_request_dropped(self, request_id: str, reason: str) -> None:
-        for o in self.observers:
-            o.on_request_dropped(request_id, reason)
+        self._each("on_request_dropped", request_id, reason)
 
 
 def percentiles(values: list[float], qs: tuple[float, ...] = (50, 90, 99)) -> dict[str, float | None]:
