@@ -94,6 +94,10 @@ def test_a_person_asks_watches_it_stream_and_stops_it(srv, page):
     page.wait_for_selector(".msg.assistant .status.stopped")
     wait_until(lambda: engine_counts(srv)[:2] == (0, 0), timeout=20, what="the server to free the request")
     assert engine_counts(srv)[2] == aborted_before + 1  # the server aborted it, not finished it
+    trace_link = answer.locator("a.trace-link").get_attribute("href")
+    rid = trace_link.split("#trace=", 1)[1]
+    trace = httpx.get(srv.url(f"/traces/{rid}")).json()
+    assert trace["finish_reason"] == "abort" and [s["name"] for s in trace["spans"]][4] == "abort"
     assert page.is_enabled("#send") and not page.is_enabled("#stop")
 
     # the next answer runs to its end: the server's timings under it, and its tokens on demand
@@ -129,7 +133,7 @@ def test_the_dashboard_moves_under_load_and_draws_a_trace(srv, page):
     page.wait_for_function("() => Number(document.body.dataset.events || 0) >= 1")
     assert page.inner_text("#conn") == "live"
     assert page.inner_text("#v-running") == "0"
-    body = {"messages": [{"role": "user", "content": "load"}], "max_tokens": 60, "ignore_eos": True, "stream": False}
+    body = {"messages": [{"role": "user", "content": "load"}], "max_tokens": 100, "ignore_eos": True, "stream": False}
 
     def one(_):
         return httpx.post(srv.url("/v1/chat/completions"), json=body, timeout=60).status_code

@@ -34,7 +34,8 @@ function tickLabel(v) {
 // series: [{name, points: [[x, y], ...]}]; opts: {title, xlabel, ymin, ymax, xmin, xmax, step, xfmt, logx}
 function lineChart(svg, series, opts) {
   opts = opts || {};
-  const W = 520, H = 190, L = 48, R = 12, T = 22, B = 30;
+  // drawn at the size it is shown (text stays 11 px), 520 x 190 before layout
+  const W = Math.round(svg.clientWidth) || 520, H = Math.round(svg.clientHeight) || 190, L = 48, R = 12, T = 22, B = 30;
   svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
   svg.replaceChildren();
   svg.appendChild(svgEl("text", { x: L, y: 14, class: "title" }, opts.title || ""));
@@ -84,7 +85,7 @@ function lineChart(svg, series, opts) {
 
 // spans: [{name, start_ms, duration_ms, parent}] → one bar per row on a shared time axis.
 function ganttChart(svg, spans, title) {
-  const W = 720, L = 110, R = 16, T = 24, row = 20;
+  const W = Math.round(svg.clientWidth) || 720, L = 110, R = 16, T = 24, row = 20;
   const H = T + row * spans.length + 26;
   svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
   svg.setAttribute("height", H);
@@ -100,13 +101,16 @@ function ganttChart(svg, spans, title) {
   const colour = { llm_request: "s5", queue: "s1", prefill: "s0", prefill_chunk: "s0", decode: "s2", finish: "s5", stream: "s3", abort: "s4", error: "s4" };
   spans.forEach((s, i) => {
     const y = T + i * row;
-    const label = (s.parent && s.parent !== "llm_request" ? "  " : "") + s.name;
-    svg.appendChild(svgEl("text", { x: 4, y: y + 14 }, label));
+    const name = (s.parent && s.parent !== "llm_request" ? "  " : "") + s.name;
+    svg.appendChild(svgEl("text", { x: 4, y: y + 14 }, name));
     const w = Math.max(1.5, sx(s.start_ms + s.duration_ms) - sx(s.start_ms));
     const bar = svgEl("rect", { x: sx(s.start_ms), y: y + 3, width: w, height: row - 6, class: "bar " + (colour[s.name] || "s5") });
     bar.appendChild(svgEl("title", {}, `${s.name}: ${s.duration_ms.toFixed(2)} ms (at ${s.start_ms.toFixed(2)} ms)` +
       Object.entries(s.attributes || {}).filter(([k]) => k !== "inferlab.phase").map(([k, v]) => `\n${k} = ${v}`).join("")));
     svg.appendChild(bar);
-    svg.appendChild(svgEl("text", { x: Math.min(sx(s.start_ms) + w + 4, W - R - 40), y: y + 14 }, s.duration_ms.toFixed(1) + " ms"));
+    const label = s.duration_ms.toFixed(1) + " ms";
+    const inside = sx(s.start_ms) + w + 8 + 7 * label.length > W - R;  // no room after the bar: inside its end
+    svg.appendChild(svgEl("text", inside ? { x: sx(s.start_ms) + w - 4, y: y + 14, "text-anchor": "end", class: "inbar" }
+      : { x: sx(s.start_ms) + w + 4, y: y + 14 }, label));
   });
 }
