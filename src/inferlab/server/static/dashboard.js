@@ -57,7 +57,7 @@ function update(s) {
     { name: "TTFT p99", points: pts((h) => (h.ttft_s.p99 === null ? null : 1000 * h.ttft_s.p99)) },
     { name: "ITL p50", points: pts((h) => (h.itl_s.p50 === null ? null : 1000 * h.itl_s.p50)) },
     { name: "ITL p99", points: pts((h) => (h.itl_s.p99 === null ? null : 1000 * h.itl_s.p99)) },
-  ], Object.assign({ title: "latency over the last minute (ms)" }, x));
+  ], Object.assign({ title: "latency (ms)" }, x));
   const recent = document.getElementById("recent");
   recent.replaceChildren();
   for (const r of s.recent_requests || []) {
@@ -96,8 +96,9 @@ async function showTrace(id) {
     const t = await resp.json();
     msg.textContent = `${t.request_id}: ${fmt(t.duration_ms)} ms, ${t.finish_reason || "running"}` +
       (t.complete ? "" : " (still running)") + (t.chunks_dropped ? `, ${t.chunks_dropped} more chunks not kept` : "");
-    ganttChart(document.getElementById("trace-svg"), t.spans, "spans of " + t.request_id);
-    document.getElementById("trace-svg").dataset.request = t.request_id;
+    const svg = document.getElementById("trace-svg");
+    svg.dataset.request = t.request_id; // shown first, so that it is drawn at its shown width
+    ganttChart(svg, t.spans, "spans of " + t.request_id);
   } catch (e) {
     msg.className = "error";
     msg.textContent = "trace: " + e.message;
