@@ -19,6 +19,7 @@ from inferlab.engine.detokenizer import IncrementalDetokenizer
 from inferlab.engine.errors import ContextLengthError
 from inferlab.engine.generation_config import resolve_sampling_defaults
 from inferlab.engine.heap import HeapTrimmer
+from inferlab.engine.kv_events import KVEventLog
 from inferlab.engine.model_runner import ModelRunner
 from inferlab.engine.output_processor import OutputProcessor
 from inferlab.engine.outputs import ModelRunnerOutput, SchedulerOutput, SchedulerStats
@@ -97,6 +98,16 @@ class LLMEngine:
             self.step()
         self.scheduler = self._new_scheduler()
         self.traces.clear()
+
+    def enable_kv_events(self, capacity: int = 8192) -> KVEventLog:
+        """Record the prefix cache's changes from now on (engine thread only); blocks already
+        cached enter the log as one `stored` record, so the log's snapshot is whole."""
+        pool = self.scheduler.kv_cache_manager.block_pool
+        if pool.events is None:
+            log = KVEventLog(capacity, block_size=self.cache_config.block_size)
+            log.stored(list(pool.cached_blocks))
+            pool.events = log
+        return pool.events
 
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(self.scheduler_config, self.cache_config, self.num_blocks,

@@ -22,6 +22,7 @@ from inferlab.engine.outputs import ModelRunnerOutput, ScheduledRequest, Schedul
 from inferlab.engine.request import Logprob, TokenLogprobs
 from inferlab.engine.sampler import Sampler
 from inferlab.engine.spec_decode import accept_greedy
+from inferlab.kernels import build as kernels_build
 from inferlab.models.attention import (
     TILED_FRESH_MAX,
     AttentionMetadata,
@@ -90,7 +91,8 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens, %s, %d bytes per token, %.0f MiB", self.num_blocks,
                  self.block_size, describe_kv_dtype(self.kv_dtype), self.kv_bytes_per_token,
                  sum(c.nbytes for c in self.kv_caches) / 2**20)
-        self.sampler = Sampler(load_config.seed)
+        # One sampling kernel call per step where the CPU kernels are built (engine/sampler.py).
+        self.sampler = Sampler(load_config.seed, fused=self.device.type == "cpu" and kernels_build.available())
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:

@@ -22,12 +22,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferlab.engine.async_llm import AsyncLLM, EngineLike
+from inferlab.engine.kv_events import KVEventLog, page_json, snapshot_json
 from inferlab.server import props as server_props
 from inferlab.server.auth import ApiKeyGuard
 from inferlab.server.limits import HttpLimits, LimitsMiddleware
@@ -63,6 +64,8 @@ class ServerSettings:
     shutdown_timeout: float = 30.0  # seconds to let in-flight requests finish
     stall_timeout: float = 300.0  # one engine call longer than this: /health says 503
     limits: HttpLimits = field(default_factory=HttpLimits)  # body size, client timeouts
+    kv_events: bool = True  # GET /kv_events and /kv_events/snapshot for routers (engine/kv_events.py)
+    kv_events_capacity: int = 8192  # records kept; a router further behind resyncs from the snapshot
     otlp_traces_endpoint: str | None = None  # each request's trace sent there over OTLP/HTTP (server/otlp.py)
 
     def tenant_table(self) -> TenantTable:
@@ -95,6 +98,14 @@ def build_app(
         on_limited=lambda t, limit: tenant_metrics.rate_limited(t.name, limit),
         on_in_flight=lambda t, n: tenant_metrics.in_flight(t.name, n),
     )
+    kv_log: list[KVEventLog] = []  # filled on the engine thread once the engine is built
+
+    def make_engine() -> EngineLike:
+        engine = engine_factory()
+        if settings.kv_events and hasattr(engine, "enable_kv_events"):
+            kv_log.append(engine.enable_kv_events(settings.kv_events_capacity))
+        return engine
+
     live = LiveStats()
     exporter = None
     if settings.otlp_traces_endpoint is not None:
@@ -102,7 +113,7 @@ def build_app(
 
         exporter = OtlpTraceExporter(settings.otlp_traces_endpoint)  # a bad URL or no SDK: ValueError now
     llm = AsyncLLM(
-        engine_factory,
+        make_engine,
         max_queue_len=settings.max_queue_len,
         request_timeout=settings.request_timeout,
         stall_timeout=settings.stall_timeout,
@@ -182,6 +193,27 @@ def build_app(
             raise ApiError(503, "Loading model", "unavailable_error", headers={"Retry-After": "5"})
         info = engine.info() if hasattr(engine, "info") else {"model": engine.model_name}
         return JSONResponse({**info, "served_model_names": list(serving.model_names())})
+
+    def events_log() -> KVEventLog:
+        if not llm.ready:
+            raise ApiError(503, "Loading model", "unavailable_error", headers={"Retry-After": "5"})
+        if not kv_log:
+            raise ApiError(404, "KV events are off on this server (started with --no-kv-events, or the engine has "
+                                "no prefix cache log)", "not_found_error")  # fmt: skip
+        return kv_log[0]
+
+    @app.get("/kv_events", dependencies=guarded)
+    async def kv_events(after: int = Query(0, ge=0), limit: int = Query(1000, ge=1, le=10_000)) -> JSONResponse:
+        """The prefix cache's changes after seq `after` (polled by `inferlab router`); `gap`: resync
+        from /kv_events/snapshot."""
+        log = events_log()
+        return JSONResponse(page_json(log.since(after, limit), log.block_size))
+
+    @app.get("/kv_events/snapshot", dependencies=guarded)
+    async def kv_events_snapshot() -> JSONResponse:
+        """Every cached block hash, as of the log's `seq`."""
+        log = events_log()
+        return JSONResponse(snapshot_json(log.snapshot(), log.block_size))
 
     @app.get("/version")
     async def version() -> JSONResponse:

@@ -55,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a request may take from arrival before it is aborted (default: none)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--no-kv-events", dest="kv_events", action="store_false",
+                   help="do not serve GET /kv_events (the prefix cache's changes, for `inferlab router`)")
     p.add_argument("--otlp-traces-endpoint", metavar="URL", default=None,
                    help="send each request's trace (queue, prefill chunks, decode, stream) to this OpenTelemetry "
                         "collector over OTLP/HTTP, e.g. http://127.0.0.1:4318 (needs the 'otlp' extra)")
@@ -114,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
         max_queue_len=queue_len(args.max_queue_len, config.scheduler.max_num_seqs),
         request_timeout=args.request_timeout,
         shutdown_timeout=args.shutdown_timeout,
+        kv_events=args.kv_events,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
