@@ -26,6 +26,7 @@ from inferlab.engine.output_processor import OutputProcessor
 from inferlab.engine.outputs import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from inferlab.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from inferlab.engine.scheduler import Scheduler
+from inferlab.engine.tracing import TraceRecorder
 from inferlab.kernels import build as kernels_build
 from inferlab.models.decoder import dtype_name
 from inferlab.models.loader import load_model
@@ -84,6 +85,7 @@ class LLMEngine:
         # and the planner's calibration record step shapes and times through it.
         self.step_observer: Callable[[SchedulerOutput, ModelRunnerOutput], None] | None = None
         self.heap_trimmer = HeapTrimmer(config.heap_trim_interval_s)
+        self.traces = TraceRecorder()  # each recent request's spans (engine/tracing.py)
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -101,6 +103,7 @@ class LLMEngine:
         while self.has_unfinished_requests():
             self.step()
         self.scheduler = self._new_scheduler()
+        self.traces.clear()
 
     def enable_kv_events(self, capacity: int = 8192) -> KVEventLog:
         """Record the prefix cache's changes from now on (engine thread only); blocks already
@@ -222,6 +225,7 @@ class LLMEngine:
         n = params.n
         child_ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
         self.output_processor.add_request(request_id, child_ids, text, ids, params, arrival)
+        self.traces.start(request_id, arrival)
         for i, cid in enumerate(child_ids):
             child_params = params
             if n > 1:
@@ -266,12 +270,15 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         so = self.scheduler.schedule()
         if so.is_empty:
+            self._trace_finished(outputs)
             return outputs
+        started = time.monotonic()
         try:
             ro = self.runner.execute(so)
         except BaseException:
             self.scheduler.discard_step(so)
             raise
+        self.traces.on_step(so, started, time.monotonic())
         if self.step_observer is not None:
             self.step_observer(so, ro)
         if ro.prompt_logprobs:
@@ -285,7 +292,13 @@ class LLMEngine:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         outputs.extend(step_outputs)
         self.heap_trimmer.after_step(idle=not self.scheduler.has_unfinished_requests())
+        self._trace_finished(outputs)
         return outputs
+
+    def _trace_finished(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if out.finished:
+                self.traces.finish(out)
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"

@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,6 +32,7 @@ from inferlab.engine.kv_events import KVEventLog, page_json, snapshot_json
 from inferlab.server import props as server_props
 from inferlab.server.auth import ApiKeyGuard
 from inferlab.server.limits import HttpLimits, LimitsMiddleware
+from inferlab.server.live import LiveStats, Observers
 from inferlab.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics, TenantMetrics, outcome_of_status
 from inferlab.server.openapi import describe_bodies
 from inferlab.server.protocol import (
@@ -43,6 +45,7 @@ from inferlab.server.protocol import (
 from inferlab.server.quotas import TenantGate
 from inferlab.server.serving import OpenAIServing, parse_body, validation_error
 from inferlab.server.tenants import Tenant, TenantTable
+from inferlab.server.webui import add_webui_routes
 
 logger = logging.getLogger("inferlab.server")
 
@@ -63,6 +66,7 @@ class ServerSettings:
     limits: HttpLimits = field(default_factory=HttpLimits)  # body size, client timeouts
     kv_events: bool = True  # GET /kv_events and /kv_events/snapshot for routers (engine/kv_events.py)
     kv_events_capacity: int = 8192  # records kept; a router further behind resyncs from the snapshot
+    otlp_traces_endpoint: str | None = None  # each request's trace sent there over OTLP/HTTP (server/otlp.py)
 
     def tenant_table(self) -> TenantTable:
         if self.tenants is not None and self.api_key is not None:
@@ -102,12 +106,18 @@ def build_app(
             kv_log.append(engine.enable_kv_events(settings.kv_events_capacity))
         return engine
 
+    live = LiveStats()
+    exporter = None
+    if settings.otlp_traces_endpoint is not None:
+        from inferlab.server.otlp import OtlpTraceExporter
+
+        exporter = OtlpTraceExporter(settings.otlp_traces_endpoint)  # a bad URL or no SDK: ValueError now
     llm = AsyncLLM(
         make_engine,
         max_queue_len=settings.max_queue_len,
         request_timeout=settings.request_timeout,
         stall_timeout=settings.stall_timeout,
-        observer=metrics,
+        observer=Observers(metrics, live, _TraceExport(exporter)),
     )
     serving = OpenAIServing(
         llm,
@@ -124,11 +134,14 @@ def build_app(
         llm.start()
         yield
         await asyncio.to_thread(llm.shutdown, settings.shutdown_timeout)
+        if exporter is not None:
+            await asyncio.to_thread(exporter.shutdown)
 
     app = FastAPI(title="inferlab", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(LimitsMiddleware, limits=settings.limits)
     app.state.llm = llm
     app.state.metrics = metrics
+    app.state.live = live
     app.state.tenant_metrics = tenant_metrics
     app.state.gate = gate
     app.state.settings = settings
@@ -269,6 +282,28 @@ def build_app(
         req = await parse_body(raw, DetokenizeRequest)
         return JSONResponse(serving.detokenize(req))
 
+    add_webui_routes(app, llm, live, guard)
     describe_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
                           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})  # fmt: skip
     return app
+
+
+class _TraceExport:
+    """Hands each finished request's trace to the OTLP exporter, once the engine has loaded."""
+
+    def __init__(self, exporter: Callable[[Any], None] | None):
+        self.exporter = exporter
+
+    def on_ready(self, engine: Any) -> None:
+        traces = getattr(engine, "traces", None)
+        if self.exporter is not None and traces is not None:
+            traces.on_complete.append(self.exporter)
+
+    def on_outputs(self, outputs: Any, now: float) -> None:
+        pass
+
+    def on_stats(self, stats: Any) -> None:
+        pass
+
+    def on_request_dropped(self, request_id: str, reason: str) -> None:
+        pass

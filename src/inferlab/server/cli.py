@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--no-kv-events", dest="kv_events", action="store_false",
                    help="do not serve GET /kv_events (the prefix cache's changes, for `inferlab router`)")
+    p.add_argument("--otlp-traces-endpoint", metavar="URL", default=None,
+                   help="send each request's trace (queue, prefill chunks, decode, stream) to this OpenTelemetry "
+                        "collector over OTLP/HTTP, e.g. http://127.0.0.1:4318 (needs the 'otlp' extra)")
     p.add_argument("--log-prompts", action="store_true", help="include prompt text in the request log lines")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])  # fmt: skip
     from inferlab.ray_serve.launch import add_arguments as add_replica_arguments
@@ -120,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
         shutdown_timeout=args.shutdown_timeout,
         kv_events=args.kv_events,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
     if scale is not None:
