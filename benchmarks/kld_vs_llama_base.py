@@ -7,7 +7,7 @@ Their file, as their perplexity.cpp writes it: "_logits_", n_ctx, n_vocab, n_chu
 the chunks' token ids (int32), then per chunk and scored token a row of 2 * ceil(n_vocab / 2) + 4
 uint16: two float32 (scale, min log-prob) and the log-probs quantized as min + scale * q.
 
-    PYTHONPATH=src python benchmarks/kld_vs_llama_base.py MODEL.gguf TEXT llama.kld [--chunks N]
+    PYTHONPATH=src python benchmarks/kld_vs_llama_base.py MODEL.gguf TEXT llama.kld [--chunks N] [--weight-dtype int4]
 """
 
 from __future__ import annotations
@@ -40,10 +40,16 @@ def main() -> None:
     p.add_argument("llama_base")
     p.add_argument("--chunks", type=int, default=-1)
     p.add_argument("--dtype", default="float32", help="our compute dtype (float32: no activation rounding)")
+    p.add_argument("--weight-dtype", default="auto",
+                   help="our weight mode (int4 on a Q4_1 file: its codes, x rounded to int8 per 32 as llama.cpp's Q8_1)")
+    p.add_argument("--step-tokens", type=int, default=2048,
+                   help="tokens per engine step (chunked prefill): below 128 every product runs the decode "
+                        "kernels (int4: x rounded to int8 per 32), as generated tokens meet them")
     args = p.parse_args()
     n_ctx, n_vocab, n_chunk, tokens, rows = read_llama_base(args.llama_base)
     n = n_chunk if args.chunks < 0 else min(args.chunks, n_chunk)
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=n_ctx + 1, max_num_batched_tokens=2048, max_num_seqs=4, enable_prefix_caching=False)
+    llm = LLM(args.model, dtype=args.dtype, weight_dtype=args.weight_dtype, max_model_len=n_ctx + 1, max_num_batched_tokens=args.step_tokens, max_num_seqs=4,
+              enable_prefix_caching=False)
     tok = llm.get_tokenizer()
     chunking, chunks = make_chunks(tok.encode(open(args.text, encoding="utf-8").read()), n_ctx, n,
                                    tok.bos_token_id if tok.add_bos_token else None)

@@ -1,13 +1,22 @@
-"""Speculative decoding (n-gram prompt lookup) against plain decoding, one stream, one process.
+"""Speculative decoding against plain decoding: n-gram, suffix (and a draft model if given), one
+stream and 32 streams, copy-heavy and plain-chat workloads, one process.
 
-Two engines on the same model (speculation off / on) take turns on each workload, so machine
-load drifts over both alike; prints, per workload, the median one-stream decode tokens/s of
-each (first token to last: the part speculation changes), the median of each turn's ratio, the mean accepted length
-(tokens per verification step), the acceptance rate and accepted drafts per position, whether
-the greedy token ids were identical, and the load average. Workloads: a copy-heavy chat prompt
-("repeat this text"), an edit of a given text, and plain chat.
+One engine per method on the same model (speculation off, then each method; the "when it pays"
+rule on unless --always) take turns on each workload and stream count, so machine load drifts
+over all alike. Per workload, streams and method it prints the median decode tokens/s (one
+stream: first token to last, the part speculation changes; N streams: all output tokens over
+the wall time from the first first-token to the last token), the median of each turn's ratio to
+plain decoding, the mean accepted length (tokens per verification step), the acceptance rate,
+the acceptance rate per draft position (accepted / verifications that had a draft there),
+whether the greedy token ids were identical to plain decoding's, and the load average.
 
-    .venv/bin/python benchmarks/spec_decode.py [--model PATH] [--k 4] [--max-n 4] [--min-n 2] [--runs 3]
+Workloads: copy-heavy (repeat a given text; edit a given text; edit a given function) and plain
+chat. With N streams each stream of a copy-heavy workload gets its own variant of the prompt (a
+numbered preamble); plain chat gets a new question per stream and turn (suffix decoding's
+global tree would answer a repeated one from its earlier reply).
+
+    .venv/bin/python benchmarks/spec_decode.py [--model PATH] [--k 4] [--methods ngram,suffix]
+        [--draft-model PATH] [--streams 1,32] [--runs 3] [--max-tokens 96] [--always] [--json]
 """
 
 from __future__ import annotations
@@ -16,83 +25,158 @@ import argparse
 import json
 import os
 import statistics
+import time
 
 from inferlab import LLM, SamplingParams
 
 TEXT = ("The committee met on Tuesday to review the budget for the new library. After a long discussion, the members "
         "agreed to fund the children's reading room, to repair the roof before winter, and to extend the opening "
         "hours on weekends. The treasurer will publish the final figures next month.")
+CODE = '''def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item.price * item.quantity
+    tax = subtotal * tax_rate
+    return subtotal + tax
+'''
 WORKLOADS = {
     "copy": f"Repeat this text exactly, word for word:\n\n{TEXT}",
     "edit": f"Rewrite this text with every 'the' in capital letters, changing nothing else:\n\n{TEXT}",
+    "code": f"Rename the variable `subtotal` to `net` in this function and print the whole function:\n\n{CODE}",
     "chat": "Tell me about the history of Rome, from its founding to the fall of the Western Empire.",
 }
+# Plain chat gets a new question per stream and turn: suffix decoding's global tree holds the
+# replies of earlier requests, and a question asked again would be answered from it.
+TOPICS = ("Rome", "Egypt", "China", "the Inca", "Japan", "Persia", "Greece", "the Vikings", "Mali", "Byzantium",
+          "the Maya", "Venice", "Poland", "Ethiopia", "Korea", "the Mongols", "Portugal", "Carthage", "Siam",
+          "the Aztecs", "Scotland", "Vietnam", "Babylon", "Prussia", "the Ottomans", "Ghana", "Sweden", "Tibet",
+          "Peru", "Hungary", "Java", "Armenia")
+QUESTIONS = ("Tell me about the history of {}.", "What is the food of {} like?", "Describe the art of {}.",
+             "What were the wars of {} about?", "Which cities matter most in {}, and why?")
+COPY_HEAVY = ("copy", "edit", "code")
 
 
-def one(llm: LLM, prompt: str, params: SamplingParams) -> tuple[float, list[int], dict]:
-    out = llm.chat([{"role": "user", "content": prompt}], params, use_prefix_cache=False)[0]
-    m = out.metrics
-    n = len(out.outputs[0].token_ids)
-    tps = (n - 1) / (m.last_token_time - m.first_token_time) if n > 1 else 0.0
-    return tps, out.outputs[0].token_ids, m.timings()
+def spec_config(method: str, args: argparse.Namespace) -> dict | None:
+    if method == "off":
+        return None
+    spec: dict = {"method": method, "num_speculative_tokens": args.k}
+    if method == "ngram":
+        spec.update(prompt_lookup_max=args.max_n, prompt_lookup_min=args.min_n)
+    if method == "draft_model":
+        spec["model"] = args.draft_model
+    if args.always:
+        spec["adaptive"] = False
+    return spec
+
+
+def prompts_for(name: str, streams: int, turn: int) -> list[list[dict]]:
+    """Turn `turn`'s conversations: chat a new question per stream and turn, the copy-heavy
+    prompts numbered per stream."""
+    if name == "chat":
+        idx = [(turn * streams + i) % (len(TOPICS) * len(QUESTIONS)) for i in range(streams)]
+        return [[{"role": "user", "content": QUESTIONS[j // len(TOPICS)].format(TOPICS[j % len(TOPICS)])}] for j in idx]
+    if streams == 1:
+        return [[{"role": "user", "content": WORKLOADS[name]}]]
+    return [[{"role": "user", "content": f"Task {i + 1} of {streams}. {WORKLOADS[name]}"}] for i in range(streams)]
+
+
+def one_turn(llm: LLM, conversations: list[list[dict]], params: SamplingParams) -> tuple[float, list[list[int]]]:
+    """Decode tokens/s of one run (see the module docstring) and each stream's token ids."""
+    outs = llm.chat(conversations, params, use_prefix_cache=False)
+    ids = [o.outputs[0].token_ids for o in outs]
+    if len(outs) == 1:
+        m, n = outs[0].metrics, len(ids[0])
+        return ((n - 1) / (m.last_token_time - m.first_token_time) if n > 1 else 0.0), ids
+    first = min(o.metrics.first_token_time for o in outs)
+    last = max(o.metrics.last_token_time for o in outs)
+    return sum(len(t) - 1 for t in ids) / (last - first), ids
+
+
+def per_position(before, after) -> list[float]:
+    acc = [a - (before.spec_accepted_per_pos[j] if j < len(before.spec_accepted_per_pos) else 0)
+           for j, a in enumerate(after.spec_accepted_per_pos)]
+    dra = [d - (before.spec_drafted_per_pos[j] if j < len(before.spec_drafted_per_pos) else 0)
+           for j, d in enumerate(after.spec_drafted_per_pos)]
+    return [a / d if d else 0.0 for a, d in zip(acc, dra)]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    ap.add_argument("--max-n", type=int, default=4, help="prompt_lookup_max")
-    ap.add_argument("--min-n", type=int, default=2, help="prompt_lookup_min")
+    ap.add_argument("--max-n", type=int, default=4, help="ngram: prompt_lookup_max")
+    ap.add_argument("--min-n", type=int, default=2, help="ngram: prompt_lookup_min")
+    ap.add_argument("--methods", default="ngram,suffix", help="comma-separated, of ngram, suffix, draft_model")
+    ap.add_argument("--draft-model", default=None, help="adds draft_model with this draft")
+    ap.add_argument("--streams", default="1,32", help="comma-separated stream counts")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    ap.add_argument("--always", action="store_true", help="speculate every step (the rule off: adaptive false)")
+    ap.add_argument("--kv-cache-memory", type=int, default=512 << 20, help="bytes of KV pool per engine")
     ap.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
     args = ap.parse_args()
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.max_n,
-            "prompt_lookup_min": args.min_n}
-    base, fast = LLM(args.model), LLM(args.model, speculative_config=spec)
+    methods = [m for m in args.methods.split(",") if m]
+    if args.draft_model and "draft_model" not in methods:
+        methods.append("draft_model")
+    streams_list = [int(s) for s in args.streams.split(",")]
+    kw = {"kv_cache_memory": args.kv_cache_memory, "max_num_seqs": max(streams_list)}
+    engines = {"off": LLM(args.model, **kw)}
+    for m in methods:
+        engines[m] = LLM(args.model, speculative_config=spec_config(m, args), **kw)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     load0 = os.getloadavg()[0]
+    t_start = time.monotonic()
     rows = []
     for name in args.workloads.split(","):
-        prompt = WORKLOADS[name]
-        one(base, prompt, params), one(fast, prompt, params)  # warm-up, both
-        before = fast.engine.get_stats()
-        t_base, t_spec, same, draft_n, accepted = [], [], True, 0, 0
-        for _ in range(args.runs):
-            tb, ids_b, _ = one(base, prompt, params)
-            ts, ids_s, timings = one(fast, prompt, params)
-            t_base.append(tb)
-            t_spec.append(ts)
-            same &= ids_b == ids_s
-            draft_n += timings.get("draft_n", 0)
-            accepted += timings.get("draft_n_accepted", 0)
-        after = fast.engine.get_stats()
-        drafts = after.spec_num_drafts - before.spec_num_drafts
-        per_pos = [a - (before.spec_accepted_per_pos[j] if j < len(before.spec_accepted_per_pos) else 0)
-                   for j, a in enumerate(after.spec_accepted_per_pos)]
-        rows.append({
-            "workload": name, "tokens": len(ids_s), "base_tok_s": statistics.median(t_base),
-            "spec_tok_s": statistics.median(t_spec),
-            # The median of each turn's own ratio: a turn's two runs are seconds apart, so a load
-            # that drifts over the whole run cancels more than in the ratio of medians.
-            "ratio": statistics.median(s / b for s, b in zip(t_spec, t_base)),
-            "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0,
-            "acceptance_rate": accepted / draft_n if draft_n else 0.0, "accepted_per_pos": per_pos,
-            "identical": same,
-        })
-        print(f"  {name}: base {rows[-1]['base_tok_s']:.1f} tok/s, ngram {rows[-1]['spec_tok_s']:.1f} tok/s", flush=True)
+        for streams in streams_list:
+            for llm in engines.values():  # warm-up, each
+                one_turn(llm, prompts_for(name, streams, 0), params)
+            before = {m: engines[m].engine.get_stats() for m in methods}
+            speeds: dict[str, list[float]] = {m: [] for m in engines}
+            same = {m: True for m in methods}
+            for turn in range(1, args.runs + 1):
+                convs = prompts_for(name, streams, turn)
+                tb, ids_b = one_turn(engines["off"], convs, params)
+                speeds["off"].append(tb)
+                for m in methods:
+                    ts, ids = one_turn(engines[m], convs, params)
+                    speeds[m].append(ts)
+                    same[m] &= ids == ids_b
+            for m in methods:
+                a, b = engines[m].engine.get_stats(), before[m]
+                drafts = a.spec_num_drafts - b.spec_num_drafts
+                draft_tokens = a.spec_num_draft_tokens - b.spec_num_draft_tokens
+                accepted = a.spec_num_accepted_tokens - b.spec_num_accepted_tokens
+                rows.append({
+                    "workload": name, "streams": streams, "method": m, "tokens": sum(len(t) for t in ids_b),
+                    "base_tok_s": statistics.median(speeds["off"]), "spec_tok_s": statistics.median(speeds[m]),
+                    # The median of each turn's own ratio: a turn's runs are seconds apart, so a load
+                    # that drifts over the whole run cancels more than in the ratio of medians.
+                    "ratio": statistics.median(s / o for s, o in zip(speeds[m], speeds["off"])),
+                    "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0,
+                    "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+                    "drafted_steps": drafts, "accept_per_pos": per_position(b, a), "identical": same[m],
+                })
+                r = rows[-1]
+                print(f"  {name} x{streams} {m}: {r['base_tok_s']:.1f} -> {r['spec_tok_s']:.1f} tok/s "
+                      f"({r['ratio']:.2f}x)", flush=True)
     load1 = os.getloadavg()[0]
-    print(f"speculative_config {json.dumps(spec)}; medians of {args.runs}; load average {load0:.1f} -> {load1:.1f} "
-          f"on {os.cpu_count()} CPUs")
-    print(f"{'workload':8} {'out':>4} {'base tok/s':>10} {'ngram tok/s':>11} {'ratio':>6} {'accepted len':>12} "
-          f"{'accept rate':>11}  identical  accepted per position")
+    specs = {m: spec_config(m, args) for m in methods}
+    print(f"speculative configs {json.dumps(specs)}; medians of {args.runs}; {time.monotonic() - t_start:.0f} s; "
+          f"load average {load0:.1f} -> {load1:.1f} on {os.cpu_count()} CPUs")
+    print(f"{'workload':8} {'streams':>7} {'method':11} {'out':>5} {'base tok/s':>10} {'spec tok/s':>10} {'ratio':>6} "
+          f"{'acc len':>7} {'acc rate':>8} {'steps':>6}  identical  accept rate per position")
     for r in rows:
-        print(f"{r['workload']:8} {r['tokens']:>4} {r['base_tok_s']:>10.1f} {r['spec_tok_s']:>11.1f} {r['ratio']:>6.2f} "
-              f"{r['mean_accepted_length']:>12.2f} {r['acceptance_rate']:>11.2f}  {str(r['identical']):9}  "
-              f"{r['accepted_per_pos']}")
+        pos = " ".join(f"{x:.2f}" for x in r["accept_per_pos"])
+        print(f"{r['workload']:8} {r['streams']:>7} {r['method']:11} {r['tokens']:>5} {r['base_tok_s']:>10.1f} "
+              f"{r['spec_tok_s']:>10.1f} {r['ratio']:>6.2f} {r['mean_accepted_length']:>7.2f} "
+              f"{r['acceptance_rate']:>8.2f} {r['drafted_steps']:>6}  {str(r['identical']):9}  {pos}")
+    copy = [r["ratio"] for r in rows if r["workload"] in COPY_HEAVY and r["streams"] == 1]
+    if copy:
+        print(f"copy-heavy one-stream ratios: min {min(copy):.2f}, median {statistics.median(copy):.2f}")
     if args.json:
-        print(json.dumps({"spec": spec, "load": [load0, load1], "rows": rows}))
+        print(json.dumps({"specs": specs, "load": [load0, load1], "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -18,11 +18,12 @@ from inferlab.server.limits import uvicorn_options
 class ServerThread:
     """`with ServerThread(app) as srv:` serves `app` at `srv.base_url` until the block ends."""
 
-    def __init__(self, app, shutdown_timeout: float = 5.0):
+    def __init__(self, app, shutdown_timeout: float = 5.0, port: int = 0):
         self.app = app
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))  # the port is ours from here on: no race with other tests
+        # port 0: a free one, ours from here on (no race with other tests); a given port: a restart
+        self.sock.bind(("127.0.0.1", port))
         self.port = self.sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
         settings = getattr(app.state, "settings", None)

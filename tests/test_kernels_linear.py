@@ -39,11 +39,15 @@ def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
 
 def _reference(x: torch.Tensor, lin: WeightOnlyLinear, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 product of the dequantized weight, and the error bound a float32 sum may reach.
-    With `lin.bf16_products` (AVX512-BF16) the product of x rounded to bf16, as the kernel
-    defines it, and from MKL_MIN_ROWS `rows` on oneDNN's bf16 output rounding (half an ulp)."""
+    With `lin.bf16_products` (AVX512-BF16), or int8 codes from `lin.bf16_x_min_rows` rows of x, the
+    product of x rounded to bf16, as the kernel defines it, and from MKL_MIN_ROWS `rows` on
+    oneDNN's bf16 output rounding (half an ulp)."""
     gemm = lin.bf16_gemm and rows >= MKL_MIN_ROWS  # oneDNN: bf16 x, bf16 weights, bf16 output
     w = lin.dequantized(torch.bfloat16 if gemm else torch.float32).double()
-    xs = x.bfloat16().double() if lin.bf16_products or gemm else x.double()
+    # Our micro-kernel (rows < MKL_MIN_ROWS; 0 = forced) rounds x too from bf16_x_min_rows rows of x.
+    m = x.reshape(-1, x.shape[-1]).shape[0]
+    tiles = lin.bf16_x_min_rows is not None and lin.bf16_x_min_rows < MKL_MIN_ROWS and m >= lin.bf16_x_min_rows
+    xs = x.bfloat16().double() if gemm or tiles else x.double()
     y = xs @ w.T
     # float32 accumulation over K terms: a few ulps of the sum of magnitudes.
     bound = 1e-5 * (xs.abs() @ w.abs().T) + 1e-6
@@ -116,7 +120,8 @@ def test_fallback_equals_kernel(stored):
     for m in (1, 5, 17, 300):
         x = torch.randn(m, 93)
         gemm = fast.bf16_gemm and m >= MKL_MIN_ROWS
-        if fast.bf16_products or gemm:  # the fallback's float32 products of the x the kernel multiplies
+        lo = fast.bf16_x_min_rows
+        if gemm or (lo is not None and lo < MKL_MIN_ROWS and m >= lo):  # the fallback's float32 products of the x the kernel multiplies
             xb = x.bfloat16().float()
             w = plain.dequantized(torch.bfloat16).float() if gemm else plain.dequantized()
             want = F.linear(xb, w, plain.bias)

@@ -15,7 +15,7 @@ from inferlab.engine.ngram_proposer import NgramProposer
 from inferlab.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from inferlab.engine.request import SamplingParams
 from inferlab.engine.scheduler import Scheduler
-from inferlab.engine.spec_decode import SpecDecodeStats, accept_greedy
+from inferlab.engine.spec_decode import SpecDecodeStats, accept_greedy, position_rows
 
 # ---------------------------------------------------------------- the proposer
 
@@ -73,6 +73,7 @@ def test_stats_count_per_position():
     s.observe(2, 2)
     assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (3, 9, 4)
     assert s.accepted_per_pos == [2, 2, 0, 0]
+    assert s.drafted_per_pos == [3, 3, 2, 1]
     assert s.mean_accepted_length == pytest.approx(1 + 4 / 3)
 
 
@@ -104,6 +105,14 @@ def test_config_parses_json_and_dicts():
         ('[4]', "JSON object"),
         ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 2, "prompt_lookup_min": 3}',
          "prompt_lookup_min"),
+        ('{"method": "suffix", "num_speculative_tokens": 17}', "num_speculative_tokens"),
+        ('{"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_min_token_prob": 1.5}',
+         "suffix_decoding_min_token_prob"),
+        ('{"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 0}',
+         "suffix_decoding_max_tree_depth"),
+        ('{"method": "suffix", "num_speculative_tokens": 4, "prompt_lookup_max": 3}', "'prompt_lookup_max' not read"),
+        ('{"method": "draft_model", "num_speculative_tokens": 0, "model": "m"}', "num_speculative_tokens"),
+        ('{"method": "ngram", "num_speculative_tokens": 4, "adaptive": "yes"}', "adaptive"),
     ],
 )
 def test_config_errors_name_the_problem(spec, message):
@@ -121,7 +130,7 @@ def test_the_flag_reaches_the_engine_config():
 
 # ---------------------------------------------------------------- the scheduler with drafts
 
-SPEC = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+SPEC = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1, adaptive=False)
 PROMPT = [10, 11, 12, 13, 14, 10, 11, 12]  # after a sampled 13, the 3-gram [11, 12, 13] recurs: drafts 14 10 11 12
 
 
@@ -228,13 +237,19 @@ def test_the_budget_is_shared_with_other_requests():
 
 @pytest.mark.parametrize("params", [dict(temperature=0.8), dict(temperature=0.0, repetition_penalty=1.2),
                                     dict(temperature=0.0, min_tokens=5)])
-def test_no_drafts_where_argmax_verification_would_not_be_exact(params):
+def test_drafts_for_sampled_penalised_and_min_tokens_requests(params):
+    """Verification samples each position as decoding one at a time would (rejection
+    sampling), so these get drafts too: their rows see the drafts before them as output."""
     sched = spec_scheduler()
     r = make_request("r", PROMPT, max_tokens=32)
     r.sampling_params = SamplingParams(max_tokens=32, **params)
     prefill(sched, r)
     so = sched.schedule()
-    assert so.scheduled[0].num_draft_tokens == 0 and len(so.scheduled[0].token_ids) == 1
+    s = so.scheduled[0]
+    assert s.num_draft_tokens == 4
+    rows = position_rows(s)
+    assert [len(v.output_token_ids) for v in rows] == [1, 2, 3, 4, 5]
+    assert rows[3].output_token_ids == s.output_token_ids + s.draft_token_ids[:3]
 
 
 def test_a_stop_token_inside_the_accepted_run_ends_it_there():

@@ -13,7 +13,7 @@ from inferlab.models.testing import make_tiny_hf_model
 from inferlab.server.app import ServerSettings, build_app
 
 MSG = [{"role": "user", "content": "one two three four five one two three four five one two three four five"}]
-SPEC = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+SPEC = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1, adaptive=False)
 
 
 @pytest.fixture(scope="module")

@@ -130,25 +130,52 @@ class SchedulerConfig:
             )
 
 
-SPECULATIVE_METHODS = ("ngram",)  # vLLM's "draft_model" and our "suffix" are the next slices
+SPECULATIVE_METHODS = ("ngram", "draft_model", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
+# The keys each method reads, beyond method and num_speculative_tokens: a key of another
+# method is refused (naming it) rather than ignored.
+_METHOD_KEYS = {
+    "ngram": ("prompt_lookup_max", "prompt_lookup_min"),
+    "draft_model": ("model",),
+    "suffix": ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+               "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"),
+}
+_COMMON_KEYS = ("method", "num_speculative_tokens", "adaptive")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding, vLLM's `--speculative-config` shape. Only "ngram" (prompt lookup):
-    draft the K tokens that followed the most recent earlier occurrence of the longest suffix
-    n-gram (prompt_lookup_max down to prompt_lookup_min tokens) of the request's own tokens.
+    """Speculative decoding, vLLM's `--speculative-config` shape. Methods:
 
-    Greedy requests only in this slice: the drafts are verified by argmax, so the output is the
-    same tokens as without; a request with temperature > 0 (or penalties, or min_tokens still
-    pending) is decoded one token per step, never from a changed distribution.
+    - "ngram" (prompt lookup): the K tokens that followed the most recent earlier occurrence of
+      the longest suffix n-gram (prompt_lookup_max down to prompt_lookup_min tokens) of the
+      request's own tokens;
+    - "draft_model": a small `model` sharing the target's vocabulary proposes K tokens, one
+      forward pass of its own per draft (its own KV cache);
+    - "suffix" (suffix decoding, the idea of arctic-inference's): a suffix tree over the
+      request's prompt and output and one over recent outputs of other requests, the most
+      frequent continuation of the longest matching suffix, as many tokens as the match is
+      confident of (vLLM's suffix_decoding_* keys).
+
+    Any sampling settings: verification samples the target at each draft position and keeps
+    drafts while they match (argmax when greedy: the same tokens as without; rejection sampling
+    when temperature > 0: the same distribution, and with a seed the same tokens).
+
+    `adaptive` (default on): each request speculates in a step only when the drafts are
+    expected to pay, from its acceptance so far, the batch and the measured step costs
+    (engine/spec_policy.py); off: always, as vLLM does.
     """
 
     method: str = "ngram"
-    num_speculative_tokens: int = 4  # K: drafts per request and step
-    prompt_lookup_max: int = 4  # longest suffix n-gram tried
-    prompt_lookup_min: int = 2  # shortest suffix n-gram accepted
+    num_speculative_tokens: int = 4  # K: drafts per request and step, at most
+    prompt_lookup_max: int = 4  # ngram: longest suffix n-gram tried
+    prompt_lookup_min: int = 2  # ngram: shortest suffix n-gram accepted
+    model: str | None = None  # draft_model: a GGUF file, HF directory or hub id
+    suffix_decoding_max_tree_depth: int = 24  # suffix: longest suffix + continuation stored
+    suffix_decoding_max_cached_requests: int = 1000  # suffix: finished outputs in the global tree (LRU)
+    suffix_decoding_max_spec_factor: float = 1.0  # suffix: drafts <= factor x match length
+    suffix_decoding_min_token_prob: float = 0.1  # suffix: stop where a continuation is less likely
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -157,13 +184,24 @@ class SpeculativeConfig:
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config: num_speculative_tokens must be an integer in "
                              f"1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
-        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+        for name in ("prompt_lookup_max", "prompt_lookup_min", "suffix_decoding_max_tree_depth",
+                     "suffix_decoding_max_cached_requests"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {v!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+        f = self.suffix_decoding_max_spec_factor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not f > 0:
+            raise ValueError(f"speculative_config: suffix_decoding_max_spec_factor must be a number > 0, got {f!r}")
+        pmin = self.suffix_decoding_min_token_prob
+        if isinstance(pmin, bool) or not isinstance(pmin, (int, float)) or not 0 <= pmin <= 1:
+            raise ValueError(f"speculative_config: suffix_decoding_min_token_prob must be in [0, 1], got {pmin!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config: adaptive must be true or false, got {self.adaptive!r}")
+        if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model):
+            raise ValueError('speculative_config: method "draft_model" needs a model (a GGUF file, HF directory or hub id)')
 
     @classmethod
     def parse(cls, spec: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -189,6 +227,12 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(map(repr, unknown))} "
                              f"(known: {', '.join(sorted(known))})")
+        method = spec["method"]
+        if method in _METHOD_KEYS:
+            foreign = sorted(set(spec) - set(_COMMON_KEYS) - set(_METHOD_KEYS[method]))
+            if foreign:
+                raise ValueError(f"speculative_config: {', '.join(map(repr, foreign))} not read by method {method!r} "
+                                 f"(its keys: {', '.join(_COMMON_KEYS + _METHOD_KEYS[method])})")
         return cls(**spec)
 
 

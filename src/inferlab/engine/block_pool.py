@@ -10,12 +10,17 @@ A block is in exactly one of three states:
 
 The free list is ordered by when blocks were freed: the head is evicted first (least recently
 used), the tail last. A prefix-cache hit on a free block takes it out of the middle of the list.
+
+With an `events` log (kv_events.py), every change of `cached_blocks` is also recorded there:
+a hash entering (stored), leaving by eviction or uncache (removed), or all of them (cleared).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+
+from inferlab.engine.kv_events import KVEventLog
 
 
 @dataclass(eq=False)  # identity equality: the links make field-wise comparison recursive
@@ -116,6 +121,7 @@ class BlockPool:
         self.free_block_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[int, KVBlock] = {}
         self.num_evictions = 0  # cached blocks reused for new content, cumulative
+        self.events: KVEventLog | None = None  # set by whoever publishes KV events (None: no cost)
 
     @property
     def num_free_blocks(self) -> int:
@@ -136,20 +142,28 @@ class BlockPool:
         if n > self.num_free_blocks:
             raise ValueError(f"cannot allocate {n} blocks: only {self.num_free_blocks} free")
         out = []
+        evicted: list[int] = []
         for _ in range(n):
             block = self.free_block_queue.popleft()
             if block.block_hash is not None:
-                self._evict(block)
+                if self._evict(block):
+                    evicted.append(block.block_hash)
+                block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
+        if evicted and self.events is not None:
+            self.events.removed(evicted)
         return out
 
-    def _evict(self, block: KVBlock) -> None:
+    def _evict(self, block: KVBlock) -> bool:
+        """Drop the block's hash from the map; True if the map named this block (the hash is
+        gone from the cache). The caller clears `block.block_hash`."""
         assert block.block_hash is not None
+        self.num_evictions += 1
         if self.cached_blocks.get(block.block_hash) is block:
             del self.cached_blocks[block.block_hash]
-        block.block_hash = None
-        self.num_evictions += 1
+            return True
+        return False
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take a reference on prefix-cache hits; a free one leaves the free list (no longer evictable)."""
@@ -184,6 +198,8 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self.cached_blocks[block_hash] = block
+        if self.events is not None:
+            self.events.stored((block_hash,))
         return True
 
     def uncache(self, block: KVBlock) -> None:
@@ -193,6 +209,8 @@ class BlockPool:
             return
         if self.cached_blocks.get(block.block_hash) is block:
             del self.cached_blocks[block.block_hash]
+            if self.events is not None:
+                self.events.removed((block.block_hash,))
         block.block_hash = None
 
     def get_cached_block(self, block_hash: int) -> KVBlock | None:
@@ -205,6 +223,8 @@ class BlockPool:
         for block in self.cached_blocks.values():
             block.block_hash = None
         self.cached_blocks.clear()
+        if self.events is not None:
+            self.events.cleared()
         return n
 
     def check_integrity(self) -> None:

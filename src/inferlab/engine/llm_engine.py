@@ -16,14 +16,17 @@ import torch
 
 from inferlab.config import EngineConfig
 from inferlab.engine.detokenizer import IncrementalDetokenizer
+from inferlab.engine.draft_proposer import DraftModelProposer, build_draft_proposer
 from inferlab.engine.errors import ContextLengthError
 from inferlab.engine.generation_config import resolve_sampling_defaults
 from inferlab.engine.heap import HeapTrimmer
+from inferlab.engine.kv_events import KVEventLog
 from inferlab.engine.model_runner import ModelRunner
 from inferlab.engine.output_processor import OutputProcessor
 from inferlab.engine.outputs import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from inferlab.engine.request import Request, RequestOptions, RequestOutput, RequestStatus, SamplingParams
 from inferlab.engine.scheduler import Scheduler
+from inferlab.engine.tracing import TraceRecorder
 from inferlab.models.loader import load_model
 from inferlab.models.precision import resolve_precision
 from inferlab.models.registry import resolve_model
@@ -67,6 +70,12 @@ class LLMEngine:
         self.cache_config = config.cache
         self.config = dataclasses.replace(config, scheduler=self.scheduler_config)
         self.speculative_config = config.speculative
+        self.draft_proposer: DraftModelProposer | None = None
+        if config.speculative is not None and config.speculative.method == "draft_model":
+            self.draft_proposer = build_draft_proposer(config.speculative, self.model_config, self.model_name, load,
+                                                       config.cache, self.num_blocks, self.scheduler_config.max_num_seqs,
+                                                       self.precision)
+            self.runner.draft_probs = self.draft_proposer.probs_of
         self.scheduler = self._new_scheduler()
         self.eos_token_ids = tuple(
             sorted(set(self.model_config.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ()))
@@ -80,6 +89,7 @@ class LLMEngine:
         # and the planner's calibration record step shapes and times through it.
         self.step_observer: Callable[[SchedulerOutput, ModelRunnerOutput], None] | None = None
         self.heap_trimmer = HeapTrimmer(config.heap_trim_interval_s)
+        self.traces = TraceRecorder()  # each recent request's spans (engine/tracing.py)
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -97,10 +107,23 @@ class LLMEngine:
         while self.has_unfinished_requests():
             self.step()
         self.scheduler = self._new_scheduler()
+        self.traces.clear()
+
+    def enable_kv_events(self, capacity: int = 8192) -> KVEventLog:
+        """Record the prefix cache's changes from now on (engine thread only); blocks already
+        cached enter the log as one `stored` record, so the log's snapshot is whole."""
+        pool = self.scheduler.kv_cache_manager.block_pool
+        if pool.events is None:
+            log = KVEventLog(capacity, block_size=self.cache_config.block_size)
+            log.stored(list(pool.cached_blocks))
+            pool.events = log
+        return pool.events
 
     def _new_scheduler(self) -> Scheduler:
+        if self.draft_proposer is not None:
+            self.draft_proposer.reset()
         return Scheduler(self.scheduler_config, self.cache_config, self.num_blocks,
-                         speculative_config=self.speculative_config)
+                         speculative_config=self.speculative_config, proposer=self.draft_proposer)
 
     @property
     def max_model_len(self) -> int:
@@ -202,6 +225,7 @@ class LLMEngine:
         n = params.n
         child_ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
         self.output_processor.add_request(request_id, child_ids, text, ids, params, arrival)
+        self.traces.start(request_id, arrival)
         for i, cid in enumerate(child_ids):
             child_params = params
             if n > 1:
@@ -246,12 +270,15 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         so = self.scheduler.schedule()
         if so.is_empty:
+            self._trace_finished(outputs)
             return outputs
+        started = time.monotonic()
         try:
             ro = self.runner.execute(so)
         except BaseException:
             self.scheduler.discard_step(so)
             raise
+        self.traces.on_step(so, started, time.monotonic())
         if self.step_observer is not None:
             self.step_observer(so, ro)
         if ro.prompt_logprobs:
@@ -265,7 +292,13 @@ class LLMEngine:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         outputs.extend(step_outputs)
         self.heap_trimmer.after_step(idle=not self.scheduler.has_unfinished_requests())
+        self._trace_finished(outputs)
         return outputs
+
+    def _trace_finished(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if out.finished:
+                self.traces.finish(out)
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"

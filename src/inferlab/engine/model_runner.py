@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
 from inferlab.config import CacheConfig, ModelConfig
 from inferlab.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from inferlab.engine.rejection_sampler import rejection_sample
 from inferlab.engine.request import Logprob, TokenLogprobs
-from inferlab.engine.sampler import Sampler
-from inferlab.engine.spec_decode import accept_greedy
+from inferlab.engine.sampler import Sampler, gather_logprobs
+from inferlab.engine.spec_decode import accept_greedy, position_rows
 from inferlab.models.attention import (
     TILED_FRESH_MAX,
     AttentionMetadata,
@@ -90,10 +92,15 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens, %s, %d bytes per token, %.0f MiB", self.num_blocks,
                  self.block_size, describe_kv_dtype(precision.kv_cache), self.kv_bytes_per_token,
                  sum(c.nbytes for c in self.kv_caches) / 2**20)
-        self.sampler = Sampler(seed)
+        # One sampling kernel call per step where the CPU kernels are built (engine/sampler.py).
+        self.sampler = Sampler(seed, fused=self.device.type == "cpu" and precision.kernel.available)
+        # A draft model's proposer: request id → the [k, V] distributions its drafts were
+        # sampled from (None for argmax drafts), for rejection sampling against them.
+        self.draft_probs: Callable[[str], torch.Tensor | None] | None = None
 
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, so: SchedulerOutput, want_probs: bool = False) -> ModelRunnerOutput:
+        """One step; `want_probs`: also the distribution each sampled row was drawn from."""
         t0 = time.perf_counter()
         decodes = [s for s in so.scheduled if len(s.token_ids) == 1 or s.num_draft_tokens]
         prefills = [s for s in so.scheduled if len(s.token_ids) > 1 and not s.num_draft_tokens]
@@ -114,8 +121,9 @@ class ModelRunner:
         if self.device.type != "cpu":
             logits = logits.cpu()  # the sampler (penalties, seeds, logprobs) runs on the host
         spec = any(s.num_draft_tokens for s in sampled_rows)
-        # One logits row per position of a request with drafts, one per other sampled request.
-        rows = [s for s in sampled_rows for _ in range(1 + s.num_draft_tokens)] if spec else sampled_rows
+        # One logits row per position of a request with drafts (each seeing the drafts before it
+        # as its output so far), one per other sampled request.
+        rows = [v for s in sampled_rows for v in position_rows(s)] if spec else sampled_rows
         out = self.sampler(logits, rows)
         # Back to the scheduler's order.
         by_id: dict[str, int] = {}
@@ -126,16 +134,31 @@ class ModelRunner:
             by_id[s.request_id] = i
             if s.num_draft_tokens:
                 n = 1 + s.num_draft_tokens
-                accepted = accept_greedy(s.draft_token_ids, out.token_ids[i : i + n])
+                q = self.draft_probs(s.request_id) if self.draft_probs is not None else None
+                if q is not None and not s.sampling_params.greedy:
+                    # Drafts sampled from a draft model's q: min(1, p/q), else the residual.
+                    view = rows[i : i + n]
+                    p = self.sampler.probs(logits[i : i + n], view)
+                    accepted = rejection_sample(p, q[: n - 1], s.draft_token_ids, self.sampler.uniforms(view[:-1], 2),
+                                                self.sampler.uniforms(view, 3))
+                    if s.sampling_params.logprobs is not None:
+                        m = len(accepted)
+                        spec_lps[s.request_id] = gather_logprobs(torch.log_softmax(logits[i : i + m], dim=-1),
+                                                                 accepted, view[:m])
+                else:
+                    accepted = accept_greedy(s.draft_token_ids, out.token_ids[i : i + n])
+                    if out.logprobs is not None:
+                        spec_lps[s.request_id] = out.logprobs[i : i + len(accepted)]
                 spec_toks[s.request_id] = accepted
-                if out.logprobs is not None:
-                    spec_lps[s.request_id] = out.logprobs[i : i + len(accepted)]
             i += 1 + s.num_draft_tokens
         ids = [s.request_id for s in so.scheduled if s.sample]
         toks = [out.token_ids[by_id[r]] for r in ids]
         lps = [out.logprobs[by_id[r]] for r in ids] if out.logprobs is not None else None
+        probs = None
+        if want_probs:
+            probs = self.sampler.probs(logits, rows).index_select(0, torch.tensor([by_id[r] for r in ids]))
         return ModelRunnerOutput(ids, toks, lps, time.perf_counter() - t0, prompt_lps, prompt_rows or None,
-                                 spec_toks or None, spec_lps or None)
+                                 spec_toks or None, spec_lps or None, probs)
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, ordered: list[ScheduledRequest]

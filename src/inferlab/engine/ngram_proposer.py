@@ -12,6 +12,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
+from inferlab.engine.request import Request
+
 _ITEM = array("i").itemsize  # token ids fit a C int
 
 
@@ -27,6 +29,12 @@ class NgramProposer:
         self.k = num_speculative_tokens
         self.max_n = max_n
         self.min_n = min_n
+
+    def propose_requests(self, batch: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        return {r.request_id: self.propose(r.all_token_ids, room) for r, room in batch}
+
+    def finish(self, request: Request) -> None:
+        pass  # stateless
 
     def propose(self, tokens: Sequence[int], max_drafts: int | None = None) -> list[int]:
         """Up to min(k, max_drafts) draft tokens to follow `tokens`; [] when no n-gram recurs.

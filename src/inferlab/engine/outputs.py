@@ -73,6 +73,9 @@ class ModelRunnerOutput:
     # logprobs when asked.
     spec_token_ids: dict[str, list[int]] | None = None
     spec_logprobs: dict[str, list[TokenLogprobs | None]] | None = None
+    # When asked (a draft model's runner): the distribution each sampled row was drawn from,
+    # [len(request_ids), vocab] in request_ids' order (Sampler.probs).
+    probs: Any = None
 
 
 @dataclass
@@ -110,3 +113,4 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    spec_drafted_per_pos: tuple[int, ...] = ()  # verifications with a draft at each position

@@ -50,7 +50,20 @@ from inferlab.engine.outputs import (
     SchedulerStats,
 )
 from inferlab.engine.request import Request, RequestStatus, TokenLogprobs
-from inferlab.engine.spec_decode import SpecDecodeStats
+from inferlab.engine.spec_decode import Proposer, SpecDecodeStats
+from inferlab.engine.spec_policy import SpecPolicy
+from inferlab.engine.suffix_proposer import SuffixProposer
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    """The torch-free proposers; a draft model's is the engine's to build (it runs a model)."""
+    if config.method == "ngram":
+        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min)
+    if config.method == "suffix":
+        return SuffixProposer(config.num_speculative_tokens, config.suffix_decoding_max_tree_depth,
+                              config.suffix_decoding_max_cached_requests, config.suffix_decoding_max_spec_factor,
+                              config.suffix_decoding_min_token_prob)
+    raise ValueError(f"speculative method {config.method!r} needs its proposer passed in (the engine builds it)")
 
 
 class Scheduler:
@@ -63,6 +76,7 @@ class Scheduler:
         num_blocks: int,
         clock: Callable[[], float] = time.monotonic,
         speculative_config: SpeculativeConfig | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         if scheduler_config.max_model_len is None:
             raise ValueError("the scheduler needs a resolved max_model_len (LLMEngine sets it from the model)")
@@ -78,10 +92,14 @@ class Scheduler:
         # Requests that left since the last schedule(): the runner drops their state.
         self.finished_request_ids: set[str] = set()
         self.num_preemptions = 0  # cumulative
-        self.proposer: NgramProposer | None = None
-        if speculative_config is not None:
-            self.proposer = NgramProposer(speculative_config.num_speculative_tokens,
-                                          speculative_config.prompt_lookup_max, speculative_config.prompt_lookup_min)
+        # The drafts' source: the engine passes a draft model's; n-gram and suffix are made here.
+        self.proposer: Proposer | None = proposer
+        if proposer is None and speculative_config is not None:
+            self.proposer = make_proposer(speculative_config)
+        # Whether drafts are expected to pay, per request and step (None: always K).
+        self.policy: SpecPolicy | None = None
+        if speculative_config is not None and speculative_config.adaptive:
+            self.policy = SpecPolicy(speculative_config.num_speculative_tokens)
         self.spec_stats = SpecDecodeStats()  # cumulative
 
     # ------------------------------------------------------------------ requests in and out
@@ -132,6 +150,10 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self.finished_request_ids.add(request.request_id)
         del self.requests[request.request_id]
+        if self.proposer is not None:
+            self.proposer.finish(request)
+        if self.policy is not None:
+            self.policy.forget(request.request_id)
 
     def _drop_finished(self, finished: list[Request]) -> None:
         """Remove finished requests from both queues in one O(n) pass each (not O(n) per request)."""
@@ -188,6 +210,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         now = self.clock()
         chosen: list[tuple[Request, int]] = []
+        proposed = self._propose_all(budget) if self.proposer is not None else {}
         drafts_of: dict[str, list[int]] = {}
         preempted: set[str] = set()
 
@@ -198,9 +221,11 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            if self.proposer is not None and num_new == 1 and request.num_computed_tokens == request.num_tokens - 1:
-                drafts = self._propose(request, budget)
-                # Drafts only where their blocks are free: never preempt anyone for a guess.
+            drafts = proposed.get(request.request_id)
+            if drafts and num_new == 1 and request.num_computed_tokens == request.num_tokens - 1:
+                # What the budget left now, and drafts only where their blocks are free: never
+                # preempt anyone for a guess.
+                drafts = drafts[: min(budget - 1, kv.num_free_slots(request) - 1)]
                 if drafts and kv.allocate_slots(request, 1 + len(drafts)) is not None:
                     drafts_of[request.request_id] = drafts
                     chosen.append((request, 1 + len(drafts)))
@@ -259,23 +284,32 @@ class Scheduler:
             request.num_computed_tokens += num_new
         return output
 
-    def _propose(self, request: Request, budget: int) -> list[int]:
-        """Drafts for a decode, or []: greedy requests only (verification by argmax keeps their
-        output exact; temperature > 0 needs rejection sampling, not done yet), none while
-        penalties or a pending min_tokens make the target depend on the tokens before it, and
-        no more than the budget, max_tokens, the context window and the free blocks leave room
-        for (a guess never preempts anyone)."""
+    def _propose_all(self, budget: int) -> dict[str, list[int]]:
+        """Drafts for every running request in decode (one proposer call for the step), each
+        no longer than the budget, max_tokens and the context window leave room for; the
+        schedule loop trims them to what is left of the budget and the free blocks. Any
+        sampling settings: the runner verifies by sampling each position as decoding one at a
+        time would (engine/spec_decode.py), so greedy output is exact and sampled output keeps
+        its distribution."""
         assert self.proposer is not None
-        params = request.sampling_params
-        if not params.greedy or params.has_penalties or request.num_output_tokens < params.min_tokens:
-            return []
-        room = min(budget - 1, self._max_len(request) - request.num_tokens - 1,
-                   self.kv_cache_manager.num_free_slots(request) - 1)
-        if params.max_tokens is not None:
-            room = min(room, params.max_tokens - request.num_output_tokens - 1)
-        if room <= 0:
-            return []
-        return self.proposer.propose(request.all_token_ids, room)
+        decoding = [r for r in self.running if r.num_computed_tokens == r.num_tokens - 1]  # not prefilling
+        batch: list[tuple[Request, int]] = []
+        for request in decoding:
+            params = request.sampling_params
+            room = min(budget - 1, self._max_len(request) - request.num_tokens - 1)
+            if params.max_tokens is not None:
+                room = min(room, params.max_tokens - request.num_output_tokens - 1)
+            if self.policy is not None and room > 0:
+                room = min(room, self.policy.num_drafts(request.request_id, len(decoding)))
+            if room > 0:
+                batch.append((request, room))
+        if not batch:
+            return {}
+        t0 = self.clock()
+        drafts = self.proposer.propose_requests(batch)
+        if self.policy is not None:
+            self.policy.observe_proposal(self.clock() - t0, sum(len(d) for d in drafts.values()))
+        return drafts
 
     def _make_scheduled(self, request: Request, num_new: int, drafts: list[int]) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -305,6 +339,8 @@ class Scheduler:
         window (finish "length"). Requests aborted since the step was scheduled are skipped.
         """
         self.kv_cache_manager.mark_written()
+        if self.policy is not None and all(len(s.token_ids) == 1 + s.num_draft_tokens for s in scheduler_output.scheduled):
+            self.policy.observe_step(scheduler_output.num_scheduled_tokens, runner_output.step_time)
         now = self.clock()
         outputs: list[EngineCoreOutput] = []
         finished: list[Request] = []
@@ -334,6 +370,8 @@ class Scheduler:
                     break
             if k:
                 self.spec_stats.observe(k, len(tokens) - 1)
+                if self.policy is not None:
+                    self.policy.observe_verdict(rid, k, len(tokens) - 1)
             if status is not None:
                 self._finish(request, status)
                 finished.append(request)
@@ -416,6 +454,7 @@ class Scheduler:
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_accepted_per_pos=tuple(self.spec_stats.accepted_per_pos),
+            spec_drafted_per_pos=tuple(self.spec_stats.drafted_per_pos),
         )
 
     def reset_prefix_cache(self) -> int:

@@ -36,6 +36,11 @@ STORED_DTYPES = (torch.float16, torch.bfloat16, torch.int8)
 # ~15-20% behind it at 256-512, where the GEMM on converted tiles is within 1-5% of it.
 MKL_MIN_ROWS = 128
 
+# From this many rows of x on, the avx512 kernels multiply int8 weight-only codes as bf16 tiles by
+# vdpbf16ps, x rounded to bf16 (csrc/matvec.h kI8Bf16MinRows, the same number): converting the
+# codes to float32 in registers made 32 rows 3x slower than bf16 weights.
+INT8_BF16_MIN_ROWS = 4
+
 _FP16_MAX = torch.finfo(torch.float16).max
 INT8_GROUP = 64  # x values per int8 scale on the vpdpbusd path (csrc/matvec.h's kI8Group)
 
@@ -164,6 +169,17 @@ class WeightOnlyLinear:
             raise ValueError("int8_activations needs int8 weights")
         if int8_activations and self.use_kernels and build.kernel_info().int8_dot:
             self.row_sums = int8_group_corrections(self.weight)
+
+    @property
+    def bf16_x_min_rows(self) -> int | None:
+        """From how many rows of x the kernels round x to bf16 (None: never; the products are
+        float32's): 1 for bf16 products, INT8_BF16_MIN_ROWS for int8 weight-only codes on the
+        avx512 variant, MKL_MIN_ROWS where only the oneDNN GEMM does."""
+        if self.bf16_products:
+            return 1
+        if self.row_sums is None and self.scale is not None and self.bf16_gemm and type(self) is WeightOnlyLinear:
+            return INT8_BF16_MIN_ROWS
+        return MKL_MIN_ROWS if self.bf16_gemm else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernels and x.dtype == torch.float32 and x.device.type == "cpu":

@@ -6,6 +6,8 @@ the same report as `inferlab bench` so prediction and measurement compare line b
     inferlab simulate ... --calibrate profile.json     # cost fitted to our engine's measured steps
     inferlab simulate ... --constant-step-ms 10        # a trivial cost model (hand-checkable)
     inferlab simulate --calibrate-engine --profile-out profile.json   # measure our engine here first
+    inferlab simulate ... --replicas 16 --router all --shared-prefixes 8 --shared-prefix-len 512
+                                                       # a fleet behind the router's own core
 
 The KV cache gets as many blocks as the plan's memory budget allows (or --num-blocks).
 """
@@ -47,6 +49,7 @@ from inferlab.plan.cost_model import (
 )
 from inferlab.plan.sim_report import simulation_report
 from inferlab.plan.simulator import SimWorkload, simulate
+from inferlab.router.policies import POLICIES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,6 +77,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ld.add_argument("--shared-prefix-len", type=int, default=0, help="prompt tokens every request shares")
     ld.add_argument("--eos-probability", type=float, default=0.0,
                     help="chance each sampled token is EOS (default 0: replies run to --output-len)")
+
+    f = p.add_argument_group("a fleet behind the router (inferlab router's own scoring core)")
+    f.add_argument("--replicas", type=int, default=None, help="simulate this many replicas behind the router")
+    f.add_argument("--router", default=None, metavar="POLICY[,POLICY...]",
+                   help=f"routing policies to compare ({', '.join(POLICIES)}, or all; default all)")
+    f.add_argument("--shared-prefixes", type=int, default=1,
+                   help="distinct system prompts of --shared-prefix-len tokens, one per request at random (default 1)")
+    f.add_argument("--kv-poll-ms", type=float, default=500.0,
+                   help="how often the router reads the replicas' KV events (default 500, as its probe interval)")
 
     c = p.add_argument_group("step cost model (default: the plan's roofline)")
     c.add_argument("--calibrate", metavar="PROFILE.json", help="fit a linear cost to measured engine steps")
@@ -157,6 +169,10 @@ def run(args: argparse.Namespace) -> int:
         vocab_size=model.vocab_size, eos_probability=args.eos_probability, seed=args.seed,
         request_latency_s=args.request_latency_ms / 1000.0,
     )
+    if args.replicas is not None or args.router is not None:
+        return _run_fleet(args, workload, sched_cfg, cache_cfg, num_blocks, cost, log)
+    if args.shared_prefixes != 1:
+        raise ValueError("--shared-prefixes needs a fleet (--replicas N)")
     result = simulate(workload, sched_cfg, cache_cfg, num_blocks, cost)
     doc = simulation_report(
         result, workload, sched_cfg, cache_cfg, cost,
@@ -179,4 +195,41 @@ def run(args: argparse.Namespace) -> int:
         print_terminal(doc)
         for line in doc["simulation"]["assumptions"]:
             print(f"• simulated: {line}")
+    return 0
+
+
+def _policies(text: str | None) -> list[str]:
+    if text is None or text.strip() == "all":
+        return [p for p in POLICIES]
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in POLICIES]
+    if bad or not names:
+        raise ValueError(f"--router takes {', '.join(POLICIES)} or all (comma-separated); got {text!r}")
+    return names
+
+
+def _run_fleet(args, workload, sched_cfg, cache_cfg, num_blocks, cost, log) -> int:
+    from inferlab.plan.fleet_sim import render_table, simulate_fleet
+
+    replicas = args.replicas if args.replicas is not None else 2
+    if args.kv_poll_ms <= 0:
+        raise ValueError(f"--kv-poll-ms must be > 0, got {args.kv_poll_ms}")
+    results = [simulate_fleet(workload, sched_cfg, cache_cfg, num_blocks, cost, replicas=replicas, policy=p,
+                              num_shared_prefixes=args.shared_prefixes, kv_poll_s=args.kv_poll_ms / 1000.0)
+               for p in _policies(args.router)]  # fmt: skip
+    doc = {"simulation": "fleet", "replicas": replicas, "num_blocks_per_replica": num_blocks,
+           "shared_prefixes": args.shared_prefixes, "shared_prefix_len": workload.shared_prefix_len,
+           "policies": {r.policy: {**r.summary(), "requests_per_replica": r.per_replica, "decisions": r.reasons}
+                        for r in results}}  # fmt: skip
+    if args.result_file:
+        with open(args.result_file, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=1)
+        log(f"report written to {args.result_file}")
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        for line in render_table(results, replicas):
+            print(line)
+        print("• simulated: TTFT and throughput from the step cost model; cached share from the real prefix cache "
+              "of each replica; predicted = what the router expected cached when it chose")
     return 0

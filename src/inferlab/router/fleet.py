@@ -9,11 +9,12 @@ plain calls with the time passed in, so any driver (HTTP, a simulator, tests) ca
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from inferlab.router.hashing import block_hashes, max_hit_blocks
 from inferlab.router.health import HealthConfig, ReplicaHealth
+from inferlab.router.kv_sync import KVSync
 from inferlab.router.policies import Decision, Policy, ReplicaView, RouteRequest
 from inferlab.router.prefix_index import PrefixIndex
 from inferlab.router.replica import ReplicaInfo, ReplicaMetrics, ReplicaState, Ticket
@@ -26,6 +27,7 @@ class Replica:
     name: str  # its base URL
     state: ReplicaState
     health: ReplicaHealth
+    kv: KVSync  # its KV event feed into the index
 
 
 class Fleet:
@@ -38,6 +40,7 @@ class Fleet:
         health: HealthConfig | None = None,
         prefill_rate: float = 2000.0,
         metrics_max_age_s: float = 2.0,
+        speculative_ttl_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ):
         if not names:
@@ -46,10 +49,13 @@ class Fleet:
             raise ValueError("the same backend is given twice")
         self.policy = policy
         self.index = index or PrefixIndex()
+        # A replica whose KV events we follow confirms a routed prompt's blocks within a poll
+        # (at schedule time), so a guess about it needs to live only that long, plus its queue.
+        self.speculative_ttl_s = speculative_ttl_s
         self.clock = clock
         self.replicas: dict[str, Replica] = {
             n: Replica(n, ReplicaState(n, prefill_rate=prefill_rate, metrics_max_age_s=metrics_max_age_s),
-                       ReplicaHealth(health))
+                       ReplicaHealth(health), KVSync(n, self.index))
             for n in names
         }  # fmt: skip
 
@@ -90,10 +96,13 @@ class Fleet:
             cached_tokens=cached,
         )
 
-    def route(self, request: RouteRequest, exclude: Iterable[str] = ()) -> Decision | None:
+    def route(self, request: RouteRequest, exclude: Iterable[str] = (),
+              among: Collection[str] | None = None) -> Decision | None:  # fmt: skip
+        """The policy's pick among the routable replicas (`among`: only those; a canary's pool)."""
         now = self.clock()
         skip = set(exclude)
-        views = [self.view(r, request, now) for r in self.routable(now) if r.name not in skip]
+        views = [self.view(r, request, now) for r in self.routable(now)
+                 if r.name not in skip and (among is None or r.name in among)]  # fmt: skip
         if not views:
             return None
         return self.policy.choose(request, views)
@@ -107,7 +116,8 @@ class Fleet:
         ticket = r.state.acquire(request.prompt_tokens, uncached, now, prefill_s)
         r.health.on_dispatch()
         if request.block_hashes and r.state.info.prefix_caching:
-            self.index.add_speculative(r.name, request.block_hashes, now)
+            ttl = min(self.speculative_ttl_s, self.index.ttl_s) if r.kv.synced else None
+            self.index.add_speculative(r.name, request.block_hashes, now, ttl)
         return ticket
 
     def first_token(self, ticket: Ticket) -> None:
@@ -130,7 +140,7 @@ class Fleet:
         else:
             ejected = r.health.request_failed(self.clock(), error or outcome, fatal=outcome == "fatal")
             if ejected:
-                self.index.forget(r.name)  # it may come back empty
+                self.forget(r.name)  # it may come back empty
             return ejected
         return False
 
@@ -138,13 +148,18 @@ class Fleet:
     def probe_ok(self, name: str, metrics: ReplicaMetrics | None = None, info: ReplicaInfo | None = None) -> None:
         r = self.replicas[name]
         if r.health.probe_ok():
-            self.index.forget(name)  # (re)started: whatever we believed it held is gone
+            self.forget(name)  # (re)started: whatever we believed it held is gone
         if info is not None:
             r.state.info = info
             if info.num_blocks:
                 self.index.set_capacity(name, info.num_blocks)
         if metrics is not None:
             r.state.update_metrics(metrics)
+
+    def forget(self, name: str) -> None:
+        """Drop what the index holds for a replica; its event feed resyncs from a snapshot."""
+        self.index.forget(name)
+        self.replicas[name].kv.reset()
 
     def probe_failed(self, name: str, error: str) -> None:
         self.replicas[name].health.probe_failed(error)

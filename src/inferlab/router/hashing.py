@@ -2,9 +2,10 @@
 
 Same function (`engine.kv_cache_manager.hash_block`, SHA-256 over the parent hash and the
 block's token ids), same block size (read from each replica's /server_info) and the same salt
-rule (the request's `cache_salt` mixed into the first block only): equal hashes here mean the
-replica's cache can hold those blocks. Tenant salts (`--api-keys` on a replica) are not known to
-the router; such replicas get hashes that never match, so routing falls back to load.
+rule (the salt mixed into the first block only): equal hashes here mean the replica's cache can
+hold those blocks. The salt is the one the replica's engine gets, `Tenant.request_salt`: the
+tenant's (when the router has the replicas' --api-keys file), then the request's `cache_salt`;
+so two tenants never share a block, in the replicas' caches or in the router's index.
 """
 
 from __future__ import annotations

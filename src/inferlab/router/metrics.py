@@ -33,10 +33,27 @@ class RouterMetrics:
         in_flight = Gauge("inferlab:router_replica_in_flight", "Requests the router has in flight on each replica.",
                           ["replica"], registry=reg)  # fmt: skip
         healthy = Gauge("inferlab:router_replica_routable", "1 when a replica may get traffic now.", ["replica"], registry=reg)
+        kv_events = Gauge("inferlab:router_kv_events_applied", "KV event records applied to the prefix index, cumulative.",
+                          ["replica"], registry=reg)  # fmt: skip
+        kv_resyncs = Gauge("inferlab:router_kv_resyncs", "KV snapshots applied (start, gaps, restarts), cumulative.",
+                           ["replica"], registry=reg)  # fmt: skip
+        indexed = Gauge("inferlab:router_kv_confirmed_blocks", "Blocks a replica's KV events say it holds.",
+                        ["replica"], registry=reg)  # fmt: skip
         for name in fleet.replicas:
             in_flight.labels(replica=name).set_function(partial(_in_flight, fleet, name))
             healthy.labels(replica=name).set_function(partial(_routable, fleet, name))
+            kv = fleet.replicas[name].kv
+            kv_events.labels(replica=name).set_function(partial(getattr, kv, "events"))
+            kv_resyncs.labels(replica=name).set_function(partial(getattr, kv, "resyncs"))
+            indexed.labels(replica=name).set_function(partial(_confirmed, fleet, name))
             self.ejections.labels(replica=name)
+
+        self.canary_requests = Counter("inferlab:router_canary_requests", "Outcomes judged for the canary, by pool.",
+                                       ["pool", "outcome"], registry=reg)  # fmt: skip
+        self.canary_rollbacks = Counter("inferlab:router_canary_rollbacks", "Canary rollbacks, by reason.",
+                                        ["reason"], registry=reg)  # fmt: skip
+        self.canary_weight = Gauge("inferlab:router_canary_weight", "The canary pool's share of new traffic.",
+                                   registry=reg)  # fmt: skip
 
     def decision(self, reason: str, predicted_cached: int) -> None:
         self.decisions.labels(policy=self.policy, reason=reason).inc()
@@ -56,3 +73,7 @@ def _in_flight(fleet: Fleet, name: str) -> float:
 
 def _routable(fleet: Fleet, name: str) -> float:
     return float(fleet.replicas[name].health.routable(fleet.clock()))
+
+
+def _confirmed(fleet: Fleet, name: str) -> float:
+    return float(fleet.index.num_confirmed(name))

@@ -1,5 +1,10 @@
 """Active health checks: each replica's /health, then (once, and after every restart) its
-/server_info and (each round) its /metrics, every `interval_s`, all replicas at once.
+/server_info and (each round) its /metrics and its KV events, every `interval_s`, all replicas
+at once.
+
+KV events are polled (`GET /kv_events?after=SEQ`, a snapshot first and after any gap or
+restart; kv_sync.py keeps the order); a replica that answers 404 publishes none and is
+routed on speculative entries alone until it restarts.
 
 A refused connection or a non-200 /health takes a replica out at once (no traffic before it is
 ready again); a probe that times out does so only `timeouts_to_fail` times in a row, since a
@@ -16,6 +21,7 @@ from typing import Any
 import httpx
 
 from inferlab.router.fleet import Fleet
+from inferlab.router.kv_sync import BadFeed, parse_page, parse_snapshot
 from inferlab.router.replica import ReplicaInfo, ReplicaMetrics
 
 logger = logging.getLogger("inferlab.router")
@@ -54,13 +60,17 @@ def parse_server_info(body: Any) -> ReplicaInfo:
 
 class Prober:
     def __init__(self, fleet: Fleet, client: httpx.AsyncClient, *, interval_s: float = 0.5, timeout_s: float = 2.0,
-                 headers: dict[str, str] | None = None, timeouts_to_fail: int = 3):  # fmt: skip
+                 headers: dict[str, str] | None = None, timeouts_to_fail: int = 3, kv_events: bool = True,
+                 kv_page: int = 2000, kv_pages_per_round: int = 8):  # fmt: skip
         self.fleet = fleet
         self.client = client
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.headers = headers or {}
         self.timeouts_to_fail = timeouts_to_fail
+        self.kv_events = kv_events
+        self.kv_page = kv_page
+        self.kv_pages_per_round = kv_pages_per_round
         self._timeouts: dict[str, int] = {}
         self.rounds = 0
 
@@ -103,6 +113,39 @@ class Prober:
         self.fleet.probe_ok(name, metrics, info)
         if not was_ready:
             logger.info("replica %s is ready", name)
+            r.kv.supported = None  # (re)started: perhaps another version, ask again
+        if self.kv_events and r.state.info.prefix_caching:
+            await self.follow_kv_events(name)
+
+    async def follow_kv_events(self, name: str) -> None:
+        """Bring the replica's confirmed index entries up to its latest KV event."""
+        kv = self.fleet.replicas[name].kv
+        if kv.supported is False:
+            return
+        try:
+            for _ in range(self.kv_pages_per_round):
+                if not kv.synced:
+                    resp = await self.client.get(name + "/kv_events/snapshot", headers=self.headers, timeout=self.timeout_s)
+                    if resp.status_code in (401, 403, 404):
+                        kv.supported = False
+                        why = "publishes no KV events" if resp.status_code == 404 else \
+                            f"refuses the router's key for /kv_events (HTTP {resp.status_code}; see --backend-api-key)"
+                        logger.warning("replica %s %s: speculative prefix entries only", name, why)
+                        return
+                    if resp.status_code != 200:
+                        return
+                    kv.apply_snapshot(parse_snapshot(resp.json()))
+                    kv.supported = True
+                resp = await self.client.get(name + "/kv_events", params={"after": kv.seq, "limit": self.kv_page},
+                                             headers=self.headers, timeout=self.timeout_s)  # fmt: skip
+                if resp.status_code != 200:
+                    return
+                page = parse_page(resp.json())
+                if kv.apply_page(page) and len(page.events) < self.kv_page:
+                    return
+        except (httpx.HTTPError, BadFeed, ValueError) as e:
+            kv.reset()  # whatever we missed, a snapshot will cover
+            logger.debug("KV events from %s: %s", name, e)
 
     async def _server_info(self, name: str) -> ReplicaInfo | None:
         try:

@@ -25,7 +25,9 @@ from typing import Any
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from inferlab.router.canary import Canary
 from inferlab.router.fleet import Fleet
+from inferlab.router.health import Circuit
 from inferlab.router.metrics import RouterMetrics
 from inferlab.router.policies import RouteRequest
 from inferlab.router.replica import Ticket
@@ -91,8 +93,10 @@ class _EndedEarly(Exception):
 
 class Proxy:
     def __init__(self, fleet: Fleet, client: httpx.AsyncClient, metrics: RouterMetrics,
-                 settings: ProxySettings | None = None, clock: Callable[[], float] = time.monotonic):  # fmt: skip
+                 settings: ProxySettings | None = None, clock: Callable[[], float] = time.monotonic,
+                 canary: Canary | None = None):  # fmt: skip
         self.fleet = fleet
+        self.canary = canary
         self.client = client
         self.metrics = metrics
         self.settings = settings or ProxySettings()
@@ -113,10 +117,11 @@ class Proxy:
         tried: list[str] = []
         last_status: Response | None = None
         last_failure: _Failure | None = None
+        pool = self.canary.pool_for(request.session_key) if self.canary is not None else None
         for attempt in range(1 + s.max_retries):
             if attempt and self.clock() - arrival > s.retry_budget_s:
                 break
-            decision = self.fleet.route(request, exclude=tried)
+            decision = self._route(request, tried, pool)
             if decision is None:
                 break
             if attempt:
@@ -141,10 +146,39 @@ class Proxy:
         return unavailable(f"no backend could serve the request after {len(tried)} attempt(s): {msg}",
                            self.retry_after_s())  # fmt: skip
 
+    def _route(self, request: RouteRequest, tried: list[str], pool: str | None):
+        """The policy's pick within the request's canary pool; else within the stable one (the
+        canary is down); else anywhere but a canary that was rolled back."""
+        c = self.canary
+        if c is None or pool is None:
+            return self.fleet.route(request, exclude=tried)
+        decision = self.fleet.route(request, tried, among=c.members[pool])
+        if decision is None and pool == "canary":
+            decision = self.fleet.route(request, tried, among=c.members["stable"])
+        if decision is None and c.state != "rolled_back":
+            decision = self.fleet.route(request, exclude=tried)
+        return decision
+
     def _end(self, ticket: Ticket, outcome: str, error: str = "") -> None:
-        if self.fleet.finish(ticket, outcome, error):
+        first_end = not ticket.released
+        ejected = self.fleet.finish(ticket, outcome, error)
+        if ejected:
             self.metrics.ejections.labels(replica=ticket.replica).inc()
             logger.warning("replica %s ejected: %s", ticket.replica, error or outcome)
+        c = self.canary
+        if not first_end or c is None or outcome == "abandoned":
+            return
+        pool = c.pool_of(ticket.replica)
+        ttft = ticket.first_token_at - ticket.sent_at if ticket.first_token_at is not None else None
+        self.metrics.canary_requests.labels(pool=pool, outcome="ok" if outcome == "ok" else "error").inc()
+        reason = c.record(pool, outcome == "ok", ttft, self.fleet.clock())
+        if reason is None and ejected and pool == "canary" and c.state == "active" and c.weight > 0 and all(
+                self.fleet.replicas[n].health.circuit is not Circuit.CLOSED for n in c.members["canary"]):  # fmt: skip
+            # Its failures opened every canary circuit: no outcome would come to judge it by.
+            reason = c.rollback(f"ejected: every canary replica failed ({error or outcome})")
+        if reason is not None:
+            self.metrics.canary_rollbacks.labels(reason=reason.split(":")[0]).inc()
+            logger.warning("canary %s rolled back (weight 0; in-flight requests finish): %s", c.versions["canary"], reason)
 
     async def _attempt(self, ticket: Ticket, path: str, body: bytes, headers: dict[str, str],
                        stream: bool) -> Response | _Failure | tuple[Response, _Failure]:  # fmt: skip

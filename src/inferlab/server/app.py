@@ -20,16 +20,19 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferlab.engine.async_llm import AsyncLLM, EngineLike
+from inferlab.engine.kv_events import KVEventLog, page_json, snapshot_json
 from inferlab.server import props as server_props
 from inferlab.server.auth import ApiKeyGuard
 from inferlab.server.limits import HttpLimits, LimitsMiddleware
+from inferlab.server.live import LiveStats, Observers
 from inferlab.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics, TenantMetrics, outcome_of_status
 from inferlab.server.openapi import describe_bodies
 from inferlab.server.protocol import (
@@ -42,6 +45,7 @@ from inferlab.server.protocol import (
 from inferlab.server.quotas import TenantGate
 from inferlab.server.serving import OpenAIServing, parse_body, validation_error
 from inferlab.server.tenants import Tenant, TenantTable
+from inferlab.server.webui import add_webui_routes
 
 logger = logging.getLogger("inferlab.server")
 
@@ -60,6 +64,9 @@ class ServerSettings:
     shutdown_timeout: float = 30.0  # seconds to let in-flight requests finish
     stall_timeout: float = 300.0  # one engine call longer than this: /health says 503
     limits: HttpLimits = field(default_factory=HttpLimits)  # body size, client timeouts
+    kv_events: bool = True  # GET /kv_events and /kv_events/snapshot for routers (engine/kv_events.py)
+    kv_events_capacity: int = 8192  # records kept; a router further behind resyncs from the snapshot
+    otlp_traces_endpoint: str | None = None  # each request's trace sent there over OTLP/HTTP (server/otlp.py)
 
     def tenant_table(self) -> TenantTable:
         if self.tenants is not None and self.api_key is not None:
@@ -91,12 +98,26 @@ def build_app(
         on_limited=lambda t, limit: tenant_metrics.rate_limited(t.name, limit),
         on_in_flight=lambda t, n: tenant_metrics.in_flight(t.name, n),
     )
+    kv_log: list[KVEventLog] = []  # filled on the engine thread once the engine is built
+
+    def make_engine() -> EngineLike:
+        engine = engine_factory()
+        if settings.kv_events and hasattr(engine, "enable_kv_events"):
+            kv_log.append(engine.enable_kv_events(settings.kv_events_capacity))
+        return engine
+
+    live = LiveStats()
+    exporter = None
+    if settings.otlp_traces_endpoint is not None:
+        from inferlab.server.otlp import OtlpTraceExporter
+
+        exporter = OtlpTraceExporter(settings.otlp_traces_endpoint)  # a bad URL or no SDK: ValueError now
     llm = AsyncLLM(
-        engine_factory,
+        make_engine,
         max_queue_len=settings.max_queue_len,
         request_timeout=settings.request_timeout,
         stall_timeout=settings.stall_timeout,
-        observer=metrics,
+        observer=Observers(metrics, live, _TraceExport(exporter)),
     )
     serving = OpenAIServing(
         llm,
@@ -113,11 +134,14 @@ def build_app(
         llm.start()
         yield
         await asyncio.to_thread(llm.shutdown, settings.shutdown_timeout)
+        if exporter is not None:
+            await asyncio.to_thread(exporter.shutdown)
 
     app = FastAPI(title="inferlab", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(LimitsMiddleware, limits=settings.limits)
     app.state.llm = llm
     app.state.metrics = metrics
+    app.state.live = live
     app.state.tenant_metrics = tenant_metrics
     app.state.gate = gate
     app.state.settings = settings
@@ -169,6 +193,27 @@ def build_app(
             raise ApiError(503, "Loading model", "unavailable_error", headers={"Retry-After": "5"})
         info = engine.info() if hasattr(engine, "info") else {"model": engine.model_name}
         return JSONResponse({**info, "served_model_names": list(serving.model_names())})
+
+    def events_log() -> KVEventLog:
+        if not llm.ready:
+            raise ApiError(503, "Loading model", "unavailable_error", headers={"Retry-After": "5"})
+        if not kv_log:
+            raise ApiError(404, "KV events are off on this server (started with --no-kv-events, or the engine has "
+                                "no prefix cache log)", "not_found_error")  # fmt: skip
+        return kv_log[0]
+
+    @app.get("/kv_events", dependencies=guarded)
+    async def kv_events(after: int = Query(0, ge=0), limit: int = Query(1000, ge=1, le=10_000)) -> JSONResponse:
+        """The prefix cache's changes after seq `after` (polled by `inferlab router`); `gap`: resync
+        from /kv_events/snapshot."""
+        log = events_log()
+        return JSONResponse(page_json(log.since(after, limit), log.block_size))
+
+    @app.get("/kv_events/snapshot", dependencies=guarded)
+    async def kv_events_snapshot() -> JSONResponse:
+        """Every cached block hash, as of the log's `seq`."""
+        log = events_log()
+        return JSONResponse(snapshot_json(log.snapshot(), log.block_size))
 
     @app.get("/version")
     async def version() -> JSONResponse:
@@ -237,6 +282,28 @@ def build_app(
         req = await parse_body(raw, DetokenizeRequest)
         return JSONResponse(serving.detokenize(req))
 
+    add_webui_routes(app, llm, live, guard)
     describe_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
                           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})  # fmt: skip
     return app
+
+
+class _TraceExport:
+    """Hands each finished request's trace to the OTLP exporter, once the engine has loaded."""
+
+    def __init__(self, exporter: Callable[[Any], None] | None):
+        self.exporter = exporter
+
+    def on_ready(self, engine: Any) -> None:
+        traces = getattr(engine, "traces", None)
+        if self.exporter is not None and traces is not None:
+            traces.on_complete.append(self.exporter)
+
+    def on_outputs(self, outputs: Any, now: float) -> None:
+        pass
+
+    def on_stats(self, stats: Any) -> None:
+        pass
+
+    def on_request_dropped(self, request_id: str, reason: str) -> None:
+        pass

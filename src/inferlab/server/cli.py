@@ -3,6 +3,7 @@
     inferlab serve                      # the default model on http://127.0.0.1:8000
     inferlab serve --model m.gguf --served-model-name mymodel --port 8080 --api-key secret
     inferlab serve --api-keys keys.json   # tenants: keys, limits, prefix-cache isolation (server/tenants.py)
+    inferlab serve --replicas 2 --replica-cpus 1   # several engine replicas on Ray Serve (ray_serve/)
 
 The server listens at once and /health answers 503 while the model loads. SIGTERM (or Ctrl-C)
 stops accepting connections, lets in-flight requests finish for up to --shutdown-timeout
@@ -55,8 +56,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a request may take from arrival before it is aborted (default: none)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--no-kv-events", dest="kv_events", action="store_false",
+                   help="do not serve GET /kv_events (the prefix cache's changes, for `inferlab router`)")
+    p.add_argument("--otlp-traces-endpoint", metavar="URL", default=None,
+                   help="send each request's trace (queue, prefill chunks, decode, stream) to this OpenTelemetry "
+                        "collector over OTLP/HTTP, e.g. http://127.0.0.1:4318 (needs the 'otlp' extra)")
     p.add_argument("--log-prompts", action="store_true", help="include prompt text in the request log lines")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])  # fmt: skip
+    from inferlab.ray_serve.launch import add_arguments as add_replica_arguments
+
+    add_replica_arguments(p)
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -79,9 +88,11 @@ def queue_len(flag: int | None, max_num_seqs: int) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from inferlab.ray_serve.launch import scale_config
     from inferlab.server.app import ServerSettings, build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    scale = scale_config(args)  # None: one in-process server; bad replica flags fail here
     config = _engine_config(args)  # invalid values raise ValueError before anything starts
     if args.request_timeout is not None and args.request_timeout <= 0:
         raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
@@ -111,7 +122,14 @@ def run(args: argparse.Namespace) -> int:
         max_queue_len=queue_len(args.max_queue_len, config.scheduler.max_num_seqs),
         request_timeout=args.request_timeout,
         shutdown_timeout=args.shutdown_timeout,
+        kv_events=args.kv_events,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
+
+    if scale is not None:
+        from inferlab.ray_serve.launch import run_replicas
+
+        return run_replicas(scale, EngineArgs.from_cli_args(args), settings, args.host, args.port)
 
     def make_engine():
         from inferlab.engine.llm_engine import LLMEngine

@@ -132,6 +132,10 @@ async def _send_error(send: Any, err: ApiError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+# Responses that stream until the client leaves (webui.EVENTS_PATH), closed at shutdown.
+ENDLESS_STREAMS = frozenset({"/dashboard/events"})
+
+
 class HeaderTimeoutH11Protocol(H11Protocol):
     """uvicorn's h11 protocol, closing a connection that takes longer than `header_timeout` s to
     send a request's line and headers (from its first byte, or from the connection's start)."""
@@ -154,6 +158,16 @@ class HeaderTimeoutH11Protocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
         super().connection_lost(exc)
+
+    def shutdown(self) -> None:
+        """A graceful shutdown lets responses finish, but an endless one (the dashboard's event
+        stream) never would: its connection is closed now, as if the client had left (its app
+        sees the disconnect; a page reconnects to whichever server comes up)."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete and cycle.scope.get("path") in ENDLESS_STREAMS:
+            self.transport.close()
+            return
+        super().shutdown()
 
     def _arm_header_timer(self) -> None:
         self._header_timer = self.loop.call_later(self.header_timeout, self._header_timed_out)

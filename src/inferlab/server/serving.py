@@ -300,11 +300,13 @@ class OpenAIServing:
         lease = self._admit(tenant, estimate, ctx, arrival, log_text)
 
         ended = False
+        rids = [ctx.response_id] if len(prompts) == 1 else [f"{ctx.response_id}-{i}" for i in range(len(prompts))]
 
         def done(status: str, finals: list[RequestOutput | None], outcome: str | None = None) -> None:
             nonlocal ended
             if not ended:
                 ended = True
+                self._complete_traces(rids, ctx.first_output_time)
                 self._end(ctx, tenant, lease, status, finals, arrival, log_text, outcome)
 
         ctx.on_done = lambda status, finals: done(status, finals, _stream_outcome(status))
@@ -314,7 +316,7 @@ class OpenAIServing:
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
-                rid = ctx.response_id if len(prompts) == 1 else f"{ctx.response_id}-{i}"
+                rid = rids[i]
                 stream = await self.llm.add_request(
                     rid,
                     prompt,
@@ -367,6 +369,8 @@ class OpenAIServing:
 
         async def drain() -> None:
             async for p, out in merge_streams(streams):
+                if ctx.first_output_time is None:
+                    ctx.first_output_time = time.monotonic()
                 finals[p] = out
                 if ctx.want_logprobs:
                     for c in out.outputs:
@@ -416,6 +420,14 @@ class OpenAIServing:
                     param=field,
                 )
         return params
+
+    def _complete_traces(self, request_ids: list[str], first_output_time: float | None) -> None:
+        """The response has ended: the engine's traces of its requests get their last span."""
+        traces = getattr(self.llm.engine, "traces", None)
+        if traces is not None:
+            now = time.monotonic()
+            for rid in request_ids:
+                traces.complete(rid, now, first_output_time)
 
     def _admit(self, tenant: Tenant, estimate: int, ctx: ResponseContext, arrival: float, log_text: str | None) -> Lease | None:
         if self.gate is None:

@@ -11,6 +11,7 @@ A client that disconnects cancels the generator: its `finally` aborts the engine
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,7 @@ class ResponseContext:
     prompt_logprobs: int | None = None  # vLLM's: each choice carries `prompt_logprobs`
     # Called once at the end with (status, the last output of each prompt): the request's log line.
     on_done: Callable[[str, list[RequestOutput | None]], None] | None = None
+    first_output_time: float | None = None  # the first output reached the HTTP side (the trace's stream span)
 
     @property
     def chat(self) -> bool:
@@ -147,6 +149,8 @@ async def sse_stream(ctx: ResponseContext, streams: list[RequestStream]) -> Asyn
                     chunk["usage"] = None
                 yield sse(chunk)
         async for p, out in merge_streams(streams):
+            if ctx.first_output_time is None:
+                ctx.first_output_time = time.monotonic()
             latest[p] = out
             base = p * ctx.n
             for c in out.outputs:

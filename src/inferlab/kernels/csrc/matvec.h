@@ -177,11 +177,13 @@ inline void x_to_bf16(const float* x, int64_t n, uint16_t* dst) {
   for (; k < n; ++k) dst[k] = at::BFloat16(x[k]).x;
 }
 
-// out[i][j] = dot(x row i, w row j) over K for MB rows of bf16 x and NB (4 or 1) rows of bf16 w;
-// `stream`: the weight block comes from memory (prefetch it ahead), not from L1.
+// y[i * ldy + j] = dot(x row i, w row j) over K (* scale[j] + bias[j], either may be null) for MB
+// rows of bf16 x and NB (4 or 1) rows of bf16 w; `stream`: the weight block comes from memory
+// (prefetch it ahead), not from L1. The sums go straight to y, 4 at a time, scaled in registers:
+// at 32 rows a dots buffer copied out one float at a time cost ~15% of the products.
 template <int MB, int NB>
 inline void dot_tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, bool stream,
-                          float out[][kRowsW]) {
+                          const float* scale, const float* bias, float* y, int64_t ldy) {
   const char* pf = reinterpret_cast<const char*>(w) + kPrefetchBytes;
   __m512 acc[MB][NB];
 #pragma GCC unroll 6
@@ -215,49 +217,113 @@ inline void dot_tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int
     const __mmask32 mask = static_cast<__mmask32>((uint64_t{1} << (K - k)) - 1);
     step([k, mask](const uint16_t* p) { return _mm512_maskz_loadu_epi16(mask, p + k); });
   }
+  if constexpr (NB == kRowsW) {
+    const __m128 sv = scale ? _mm_loadu_ps(scale) : _mm_set1_ps(1.0f);
+    const __m128 bv = bias ? _mm_loadu_ps(bias) : _mm_setzero_ps();
 #pragma GCC unroll 6
-  for (int i = 0; i < MB; ++i) {
-    if constexpr (NB == kRowsW) {
-      _mm_storeu_ps(out[i], hsum4(fold512(acc[i][0]), fold512(acc[i][1]), fold512(acc[i][2]), fold512(acc[i][3])));
-    } else {
-      for (int j = 0; j < NB; ++j) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+    for (int i = 0; i < MB; ++i) {
+      __m128 v = hsum4(fold512(acc[i][0]), fold512(acc[i][1]), fold512(acc[i][2]), fold512(acc[i][3]));
+      _mm_storeu_ps(y + i * ldy, _mm_fmadd_ps(v, sv, bv));
     }
+  } else {
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NB; ++j) {
+        float v = _mm512_reduce_add_ps(acc[i][j]);
+        if (scale) v *= scale[j];
+        if (bias) v += bias[j];
+        y[i * ldy + j] = v;
+      }
   }
 }
 
 // row_products (above) for bf16 weights: the same contract, the products by vdpbf16ps.
 // A non-template overload, so every caller of row_products with bf16 weights takes it.
 inline void row_products(const float* x, int64_t M, int64_t K, const at::BFloat16* w, int64_t r0, int64_t rows,
-                         const float* scale, const float* bias, float* /*buf*/, float* dots, float* y, int64_t ldy) {
+                         const float* scale, const float* bias, float* /*buf*/, float* /*dots*/, float* y,
+                         int64_t ldy) {
   thread_local std::vector<uint16_t> xb;  // per thread, grown once
   if (xb.size() < static_cast<size_t>(M * K)) xb.resize(M * K);
   x_to_bf16(x, M * K, xb.data());
   const uint16_t* wb = reinterpret_cast<const uint16_t*>(w);
   for (int64_t b = 0; b < rows; b += kRowsW) {
     const int nb = static_cast<int>(std::min<int64_t>(kRowsW, rows - b));
-    const uint16_t* wp = wb + (r0 + b) * K;
+    const int64_t r = r0 + b;
+    const uint16_t* wp = wb + r * K;
+    const float* sc = scale ? scale + r : nullptr;
+    const float* bs = bias ? bias + r : nullptr;
     auto tile = [&](auto mb_tag, int64_t m) {
       constexpr int MB = decltype(mb_tag)::value;
-      auto* o = reinterpret_cast<float(*)[kRowsW]>(dots + m * kRowsW);
+      float* yt = y + m * ldy + b;
       if (nb == kRowsW) {
-        dot_tile_bf16<MB, kRowsW>(xb.data() + m * K, K, wp, K, K, m == 0, o);
+        dot_tile_bf16<MB, kRowsW>(xb.data() + m * K, K, wp, K, K, m == 0, sc, bs, yt, ldy);
       } else {
-        for (int j = 0; j < nb; ++j) {
-          float one[MB][kRowsW];
-          dot_tile_bf16<MB, 1>(xb.data() + m * K, K, wp + j * K, K, K, m == 0, one);
-          for (int i = 0; i < MB; ++i) o[i][j] = one[i][0];
-        }
+        for (int j = 0; j < nb; ++j)
+          dot_tile_bf16<MB, 1>(xb.data() + m * K, K, wp + j * K, K, K, m == 0, sc ? sc + j : nullptr,
+                               bs ? bs + j : nullptr, yt + j, ldy);
       }
     };
     for_row_tiles<kRowsX16>(M, tile);
-    for (int64_t i = 0; i < M; ++i)
-      for (int j = 0; j < nb; ++j) {
-        const int64_t r = r0 + b + j;
-        float v = dots[i * kRowsW + j];
-        if (scale) v *= scale[r];
-        if (bias) v += bias[r];
-        y[i * ldy + b + j] = v;
+  }
+}
+
+// ---- int8 weights by vdpbf16ps from kI8Bf16MinRows rows of x --------------------------------
+// Why: int8 codes converted to float32 in registers (row_products above) cost 3 instructions per
+// 8 products, so from a few rows of x on int8 weight-only ran 3x slower than bf16 weights (32
+// rows, SmolLM2's shapes, one core). A code -127..127 is exact in bf16, so each block of 4 rows
+// is converted once into L1 (its int8 stream prefetched as before) and multiplied by vdpbf16ps
+// with x rounded to bf16, as the bf16 weights and oneDNN's path from MKL_MIN_ROWS rows round it;
+// the row scales are applied to the float32 sums. Below kI8Bf16MinRows rows the float32 path
+// (exact products) stays: one or two decode rows are bound by the weight stream, not arithmetic.
+constexpr int64_t kI8Bf16MinRows = 4;  // kernels/linear.py INT8_BF16_MIN_ROWS
+
+inline void codes_to_bf16(const int8_t* w, int64_t rows, int64_t K, uint16_t* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int8_t* src = w + r * K;
+    const char* pf = reinterpret_cast<const char*>(src) + kPrefetchBytes;  // the linear stream, ahead
+    for (int64_t c = 0; c < K; c += 64) _mm_prefetch(pf + c, _MM_HINT_T0);
+    uint16_t* d = dst + r * K;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k))));
+      const __m512 hi =
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k + 16))));
+      const __m512bh v = _mm512_cvtne2ps_pbh(hi, lo);
+      _mm512_storeu_si512(d + k, reinterpret_cast<const __m512i&>(v));
+    }
+    for (; k < K; ++k) d[k] = at::BFloat16(static_cast<float>(src[k])).x;
+  }
+}
+
+// row_products for int8 weights (weight-only): the float32 template below kI8Bf16MinRows rows,
+// else the codes as bf16 tiles (above). buf: kRowsW * K floats, here holding 4 rows of bf16 codes.
+inline void row_products(const float* x, int64_t M, int64_t K, const int8_t* w, int64_t r0, int64_t rows,
+                         const float* scale, const float* bias, float* buf, float* dots, float* y, int64_t ldy) {
+  if (M < kI8Bf16MinRows) {
+    row_products<int8_t>(x, M, K, w, r0, rows, scale, bias, buf, dots, y, ldy);
+    return;
+  }
+  thread_local std::vector<uint16_t> xb;  // per thread, grown once
+  if (xb.size() < static_cast<size_t>(M * K)) xb.resize(M * K);
+  x_to_bf16(x, M * K, xb.data());
+  uint16_t* wb = reinterpret_cast<uint16_t*>(buf);
+  for (int64_t b = 0; b < rows; b += kRowsW) {
+    const int nb = static_cast<int>(std::min<int64_t>(kRowsW, rows - b));
+    const int64_t r = r0 + b;
+    codes_to_bf16(w + r * K, nb, K, wb);
+    const float* sc = scale ? scale + r : nullptr;
+    const float* bs = bias ? bias + r : nullptr;
+    auto tile = [&](auto mb_tag, int64_t m) {
+      constexpr int MB = decltype(mb_tag)::value;
+      float* yt = y + m * ldy + b;
+      if (nb == kRowsW) {
+        dot_tile_bf16<MB, kRowsW>(xb.data() + m * K, K, wb, K, K, false, sc, bs, yt, ldy);
+      } else {
+        for (int j = 0; j < nb; ++j)
+          dot_tile_bf16<MB, 1>(xb.data() + m * K, K, wb + j * K, K, K, false, sc ? sc + j : nullptr,
+                               bs ? bs + j : nullptr, yt + j, ldy);
       }
+    };
+    for_row_tiles<kRowsX16>(M, tile);
   }
 }
 #endif  // __AVX512BF16__

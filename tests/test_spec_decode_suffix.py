@@ -1,0 +1,129 @@
+"""Suffix decoding: the counted suffix trees (torch-free), and through the real engine float32
+greedy output identical with and without it (tiny models; the default model in
+test_spec_decode_engine), drafts from the
+request's own tokens and from other requests' outputs."""
+
+from __future__ import annotations
+
+import pytest
+from same_outputs import assert_same_greedy
+from test_spec_decode_engine import prompts
+
+from inferlab import LLM, SamplingParams
+from inferlab.engine.request import Request
+from inferlab.engine.suffix_proposer import SuffixProposer, SuffixTree, _Growing
+from inferlab.models.testing import make_tiny_hf_model
+
+SPEC = {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False}
+
+
+def test_tree_counts_substrings_and_uncounts_them():
+    t = SuffixTree(depth=3)
+    t.add([1, 2, 3, 1, 2, 4])
+    assert t.root.children[1].count == 2 and t.root.children[1].children[2].count == 2
+    assert t.root.children[1].children[2].children[3].count == 1
+    t.add([1, 2, 3, 1, 2, 4], -1)
+    assert not t.root.children
+
+
+def test_growing_tree_equals_the_tree_of_the_whole_sequence():
+    seq = [5, 6, 5, 6, 7, 5, 6, 5, 8, 6, 7]
+    g = _Growing(depth=4)
+    for n in range(1, len(seq) + 1, 3):
+        g.extend(seq[:n])
+    g.extend(seq)
+    whole = SuffixTree(depth=4)
+    whole.add(seq)
+
+    def dump(node, path=()):
+        out = {path: node.count} if path else {}
+        for tok, c in (node.children or {}).items():
+            out.update(dump(c, path + (tok,)))
+        return out
+
+    assert dump(g.tree.root) == dump(whole.root)
+
+
+def test_most_frequent_continuation_of_the_longest_match():
+    p = SuffixProposer(4, max_depth=8, max_spec_factor=2.0, min_token_prob=0.0)
+    # After [1, 2] came 3 twice and 9 once; after [7, 1, 2] only 9.
+    own = SuffixTree(8)
+    seq = [1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 7, 1, 2, 9, 0]
+    own.add(seq)
+    assert p.propose([5, 1, 2], 4, own) == [3, 4, 0, 1]
+    assert p.propose([7, 1, 2], 4, own) == [9, 0]  # the longer match wins, up to where it ends
+    assert p.propose([6, 6], 4, own) == []
+
+
+def test_draft_length_follows_confidence_and_match_length():
+    own = SuffixTree(8)
+    own.add([1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2, 3])  # after [1, 2]: 3 (2x), 4, 5
+    confident = SuffixProposer(4, max_depth=8, min_token_prob=0.4)
+    # 3 at 1/2, then 1 after [1, 2, 3] (1/1): two drafts, as many as the match is long.
+    assert confident.propose([9, 1, 2], 4, own) == [3, 1]
+    strict = SuffixProposer(4, max_depth=8, min_token_prob=0.6)
+    assert strict.propose([9, 1, 2], 4, own) == []  # nothing as likely as 0.6
+    short = SuffixProposer(4, max_depth=8, max_spec_factor=0.5, min_token_prob=0.0)
+    assert short.propose([9, 4, 1, 2], 4, own) == [5]  # a 3-token match x 0.5: one draft
+
+
+def req(rid: str, prompt: list[int], output: list[int] | None = None) -> Request:
+    return Request(rid, prompt, SamplingParams(), output_token_ids=list(output or []))
+
+
+def test_global_tree_drafts_from_other_requests_outputs_and_forgets_the_oldest():
+    p = SuffixProposer(4, max_depth=8, max_cached_requests=1, min_token_prob=0.0)
+    p.finish(req("a", [1, 2], [10, 11, 12, 13, 14, 15]))
+    r = req("b", [20, 21, 10, 11, 12])
+    assert p.propose_requests([(r, 4)]) == {"b": [13, 14, 15]}
+    p.finish(req("c", [1], [30, 31, 32]))  # beyond the bound: "a" leaves
+    assert list(p.cached) == ["c"]
+    assert p.propose_requests([(req("d", [10, 11, 12]), 4)]) == {}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny(request, tmp_path_factory):
+    path = make_tiny_hf_model(tmp_path_factory.mktemp(request.param), arch=request.param)
+    kw = {"dtype": "float32", "num_kv_blocks": 256}
+    return LLM(str(path), **kw), LLM(str(path), speculative_config=SPEC, **kw)
+
+
+def test_same_greedy_tokens_and_logprobs(tiny):
+    base, spec = tiny
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    want = base.generate(prompts(), params)
+    got = spec.generate(prompts(), params)
+    assert_same_greedy(got, want, top_ids=True)
+    stats = spec.engine.get_stats()
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    # A second round: the global tree now holds the first round's outputs.
+    again = spec.generate(prompts(), params)
+    assert_same_greedy(again, want, top_ids=True)
+    assert spec.engine.get_stats().spec_num_accepted_tokens > 2 * stats.spec_num_accepted_tokens
+
+
+def test_chunked_prefill_and_preemption(tiny):
+    base, _ = tiny
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    want = base.generate(prompts(), params)
+    small = LLM(str(base.engine.config.load.model), dtype="float32", num_kv_blocks=14,
+                max_num_batched_tokens=16, speculative_config=SPEC)
+    got = small.generate(prompts(), params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    stats = small.engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.spec_num_accepted_tokens > 0
+
+
+
+def test_the_growing_trees_match_is_the_walking_match():
+    """_Growing.match (the suffix nodes at hand) and SuffixTree.match (bisection, walks) agree."""
+    import random
+
+    rng = random.Random(0)
+    seq = [rng.choice([1, 2, 3]) for _ in range(60)]
+    g = _Growing(depth=6)
+    g.extend(seq)
+    for max_len in range(1, 6):
+        node_a, m_a = g.match(max_len)
+        node_b, m_b = g.tree.match(seq, max_len)
+        assert (node_a, m_a) == (node_b, m_b), max_len

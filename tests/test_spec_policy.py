@@ -1,0 +1,107 @@
+"""The "when it pays" rule (engine/spec_policy.py): drafts only where E(k)·S > B·(b + c)·k, with
+the step cost fitted from measured steps, the proposer's measured cost and each request's
+acceptance; and the scheduler asking it (adaptive on) or not (off)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from engine_factories import make_request, make_scheduler
+from test_spec_decode_core import PROMPT, prefill
+
+from inferlab.config import SpeculativeConfig
+from inferlab.engine.spec_policy import PROBE_EVERY, SpecPolicy
+
+
+def measured(a: float, b: float, k: int = 4) -> SpecPolicy:
+    """A policy that has seen decode steps of 1..40 rows costing exactly a + b·rows."""
+    p = SpecPolicy(k)
+    for rows in list(range(1, 41)) * 3:
+        p.observe_step(rows, a + b * rows)
+    return p
+
+
+def accepting(p: SpecPolicy, rid: str, rate: float, steps: int = 40) -> None:
+    """Verdicts of 4 drafts per step whose positions are each kept with probability `rate`."""
+    rng = random.Random(rid)
+    for _ in range(steps):
+        accepted = 0
+        while accepted < 4 and rng.random() < rate:
+            accepted += 1
+        p.observe_verdict(rid, 4, accepted)
+
+
+def test_the_step_cost_is_fitted_from_measured_steps():
+    a, b = measured(0.010, 0.0005).step_cost()
+    assert a == pytest.approx(0.010, rel=1e-6) and b == pytest.approx(0.0005, rel=1e-6)
+    # Rows that never vary: the prior slope, the level from the measurements.
+    p = SpecPolicy(4)
+    for _ in range(10):
+        p.observe_step(8, 0.015)
+    a, b = p.step_cost()
+    assert a + 8 * b == pytest.approx(0.015) and b == pytest.approx(a / 16)
+
+
+def test_one_stream_speculates_even_at_modest_acceptance():
+    p = measured(0.010, 0.0005)
+    assert p.num_drafts("new", batch=1) == 4  # the prior: 1/2, and rows are cheap
+    accepting(p, "r", 0.3)
+    assert 1 <= p.num_drafts("r", batch=1) < 4  # fewer drafts, not none: one costs 5% of a step
+
+
+def test_many_streams_speculate_only_what_is_mostly_accepted():
+    p = measured(0.010, 0.0005)
+    accepting(p, "chat", 0.2)
+    accepting(p, "copy", 0.95)
+    assert p.num_drafts("chat", batch=32) == 0
+    assert p.num_drafts("copy", batch=32) >= 2
+    # A new request of a workload whose drafts are rejected starts from that rate.
+    q = measured(0.010, 0.0005)
+    accepting(q, "chat", 0.1, steps=200)
+    assert q.num_drafts("next", batch=32) == 0 < p.num_drafts("next", batch=1)
+
+
+def test_a_request_kept_from_drafting_is_probed_now_and_then():
+    p = measured(0.010, 0.0005)
+    accepting(p, "chat", 0.1)
+    ks = [p.num_drafts("chat", batch=32) for _ in range(3 * PROBE_EVERY)]
+    assert ks.count(1) == 3 and ks.count(0) == len(ks) - 3
+
+
+def test_a_costly_proposer_drafts_less():
+    cheap, costly = measured(0.010, 0.0005), measured(0.010, 0.0005)
+    for p in (cheap, costly):
+        accepting(p, "r", 0.6)
+    costly.observe_proposal(0.004 * 40, 40)  # 4 ms per draft token: 40% of a step
+    assert cheap.num_drafts("r", batch=4) > costly.num_drafts("r", batch=4)
+
+
+def test_the_rule_is_the_throughput_comparison():
+    """The k chosen maximises (B + E(k)) / (S + (b + c)·k) among the ks that beat B / S."""
+    p = measured(0.010, 0.001)
+    accepting(p, "r", 0.7)
+    alpha = p.acceptance("r")
+    a, b = p.step_cost()
+    for batch in (1, 4, 16, 32):
+        s = a + b * batch
+        rates = {k: (batch + sum(alpha**j for j in range(1, k + 1))) / (s + b * k) for k in range(1, 5)}
+        k = p.best_drafts("r", batch)
+        if k == 0:
+            assert all(r <= batch / s for r in rates.values()), batch
+        else:
+            assert rates[k] > batch / s, batch
+
+
+def test_the_scheduler_asks_the_policy_only_when_adaptive():
+    for adaptive, want in ((True, 0), (False, 4)):
+        sched = make_scheduler(speculative_config=SpeculativeConfig("ngram", 4, 3, 1, adaptive=adaptive), block_size=4)
+        if sched.policy is not None:
+            for _ in range(50):  # a history of rejected drafts
+                sched.policy.observe_verdict("old", 4, 0)
+            for rows in range(1, 40):
+                sched.policy.observe_step(rows, 0.01 + 0.002 * rows)
+        r = make_request("r", PROMPT, max_tokens=32)
+        prefill(sched, r)
+        so = sched.schedule()
+        assert so.scheduled[0].num_draft_tokens == want, adaptive
