@@ -90,14 +90,17 @@ class DecoderModel:
             return make_linear(weight, bias, self.weight_dtype, dtype, int8_activations=self.int8_activations)
 
         def table(weight: torch.Tensor | Int4Weight) -> Linear:
-            """The embedding / lm_head. With int4 it stays int8 (per-row scales; vpdpbusd on VNNI)
-            unless the file gave it in 4 bits (a Q4 token_embd is kept as it is). Measured on the
-            default SmolLM2-135M Q4_1 GGUF (token_embd Q8_0, tied), 16 chunks of 512: perplexity
-            12.32 in float32, 12.37 with int4 layers and an int8 table, 13.44 with a 4-bit table
-            (for 11 MB less per decode step); llama.cpp keeps that table at Q8_0 too."""
+            """The embedding / lm_head. With int4 it stays int8 weight-only (per-row scales,
+            float32 x) unless the file gave it in 4 bits (a Q4 token_embd is kept as it is).
+            Measured on the default SmolLM2-135M Q4_1 GGUF (token_embd Q8_0, tied), 16 chunks of
+            512: perplexity 12.32 in float32, 12.37 with int4 layers and an int8 table, 13.44 with
+            a 4-bit table (for 11 MB less per decode step); llama.cpp keeps that table at Q8_0 too.
+            x is not rounded to int8 for the table: scored in decode-sized steps against
+            llama-perplexity's F16 base (4 chunks, benchmarks/kld_vs_llama_base.py --step-tokens
+            96), KLD was 0.0057 with x per 64 in int8 (vpdpbusd), 0.0036 with float32 x, 0.0020
+            with a bf16 table (28 MB more a step), against llama.cpp's own 0.0031."""
             if self.weight_dtype == INT4 and not isinstance(weight, Int4Weight):
-                return make_linear(weight, None, torch.int8, dtype,
-                                   int8_activations=bool(precision.kernel.int8_dot))
+                return make_linear(weight, None, torch.int8, dtype)
             return linear(weight)
 
         # The embedding table is stored like the lm_head: a lookup dequantizes only the T rows it
@@ -169,7 +172,7 @@ class DecoderModel:
                 dot = "vpdpbusd" if kernel.int8_dot else "vpmaddubsw"
                 how += f", 4-bit codes x int8 x per 32 values, {dot}"
                 if not isinstance(self.lm_head, Int4Linear):
-                    how += "; embedding / lm_head int8"
+                    how += "; embedding / lm_head int8 weight-only"
             elif getattr(e, "bf16_products", False):
                 how += ", bf16 products (vdpbf16ps / oneDNN), float32 sums"
         else:
