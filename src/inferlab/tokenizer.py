@@ -306,6 +306,11 @@ class Tokenizer:
         return self._special_ids
 
     @property
+    def hf(self) -> Any:
+        """The transformers fast tokenizer (what the grammar engine reads the vocabulary from)."""
+        return self._hf
+
+    @property
     def backend(self) -> Any:
         """The Rust `tokenizers.Tokenizer` (for the incremental detokenizer's hot path)."""
         return self._backend

@@ -30,6 +30,7 @@ from inferlab.server.render import (
     timings,
     usage,
 )
+from inferlab.server.tool_calls import Delta, ToolOutput, ToolStream
 
 
 @dataclass
@@ -50,6 +51,7 @@ class ResponseContext:
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone, finish_reason "length"
     logprobs: int | None = None  # completions' top k, for the echoed prompt's entries too
     prompt_logprobs: int | None = None  # vLLM's: each choice carries `prompt_logprobs`
+    tools: ToolOutput | None = None  # chat with tools: answers read as tool calls
     # Called once at the end with (status, the last output of each prompt): the request's log line.
     on_done: Callable[[str, list[RequestOutput | None]], None] | None = None
     first_output_time: float | None = None  # the first output reached the HTTP side (the trace's stream span)
@@ -140,6 +142,7 @@ async def sse_stream(ctx: ResponseContext, streams: list[RequestStream]) -> Asyn
     latest: list[RequestOutput | None] = [None] * len(streams)
     text_offsets: dict[int, int] = {}
     started: set[int] = set()  # completion choices that sent their first piece (the echo)
+    tool_streams: dict[int, ToolStream] = {}  # chat choices' tool-call readers
     status = "disconnected"
     try:
         if ctx.chat:
@@ -166,7 +169,22 @@ async def sse_stream(ctx: ResponseContext, streams: list[RequestStream]) -> Asyn
                 if ctx.chat:
                     if ctx.want_logprobs and c.logprobs_delta:
                         lp = chat_logprobs(c.logprobs_delta, ctx.token_text)
-                    choice = {"index": index, "delta": {"content": c.text_delta} if c.text_delta else {}}
+                    if ctx.tools is not None:
+                        ts = tool_streams.setdefault(index, ctx.tools.stream())
+                        d = ts.feed(c.text_delta) if c.text_delta else Delta()
+                        if reason is not None:
+                            tail = ts.finish()
+                            d = Delta(d.content + tail.content, d.tool_calls + tail.tool_calls)
+                            if ts.num_calls and reason == "stop":
+                                reason = "tool_calls"
+                        delta: dict[str, Any] = {"content": d.content} if d.content else {}
+                        if d.tool_calls:
+                            delta["tool_calls"] = d.tool_calls
+                        if not delta and reason is None and lp is None:
+                            continue  # held back: it may be the start of a call
+                    else:
+                        delta = {"content": c.text_delta} if c.text_delta else {}
+                    choice = {"index": index, "delta": delta}
                 else:
                     first = index not in started
                     started.add(index)
@@ -223,7 +241,14 @@ def response_dict(ctx: ResponseContext, finals: list[RequestOutput], logprobs: l
             reason, stop_reason = c.finish_reason, c.stop_reason
             if ctx.chat:
                 lp = chat_logprobs(items, ctx.token_text) if ctx.want_logprobs else None
-                choice = {"index": index, "message": {"role": "assistant", "content": c.text}}
+                message: dict[str, Any] = {"role": "assistant", "content": c.text}
+                if ctx.tools is not None:
+                    content, calls = ctx.tools.extract(c.text)
+                    if calls:
+                        message = {"role": "assistant", "content": content, "tool_calls": [t.as_dict() for t in calls]}
+                        if reason == "stop":
+                            reason = "tool_calls"
+                choice = {"index": index, "message": message}
             else:
                 text, lp = completion_text_and_logprobs(ctx, p, out, c.text, items, first=True)
                 choice = {"index": index, "text": text}
