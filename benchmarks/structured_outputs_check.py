@@ -1,7 +1,9 @@
 """Structured outputs on a real model, counted: N answers at temperature 1 against a strict JSON
 schema (enums, integer ranges, additionalProperties false), checked by a JSON Schema validator
 that is not the grammar engine; and N forced tool calls whose arguments are checked against
-their function's parameters. Counts, not timings: fine on a busy machine.
+their function's parameters. Plain sampling at temperature 1 (top-p 1, no top-k or min-p: not
+the model's narrower defaults), so the grammar alone keeps the text valid. Counts, not timings:
+fine on a busy machine.
 
     .venv/bin/python benchmarks/structured_outputs_check.py                 # starts `inferlab serve` (default model)
     .venv/bin/python benchmarks/structured_outputs_check.py --base-url http://127.0.0.1:8000/v1
@@ -17,6 +19,8 @@ from pathlib import Path
 
 import openai
 from harness import served
+
+PLAIN = {"top_k": 0, "min_p": 0.0}  # with top_p=1.0: every token the grammar allows may be drawn
 
 SCHEMA = {
     "type": "object",
@@ -60,7 +64,7 @@ def check(client: openai.OpenAI, model: str, n: int, max_tokens: int) -> int:
     fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}}
     for i in range(n):
         r = client.chat.completions.create(model=model, messages=msg, response_format=fmt, temperature=1.0,
-                                           max_tokens=max_tokens, seed=1000 + i)  # fmt: skip
+                                           top_p=1.0, extra_body=PLAIN, max_tokens=max_tokens, seed=1000 + i)  # fmt: skip
         text = r.choices[0].message.content or ""
         try:
             good = ok_schema(json.loads(text))
@@ -76,7 +80,8 @@ def check(client: openai.OpenAI, model: str, n: int, max_tokens: int) -> int:
     for i in range(n):
         choice = {"type": "function", "function": {"name": "book_table"}} if i % 2 == 0 else "required"
         r = client.chat.completions.create(model=model, messages=msg, tools=[TOOL, OTHER_TOOL], tool_choice=choice,
-                                           temperature=1.0, max_tokens=max_tokens, seed=2000 + i)  # fmt: skip
+                                           temperature=1.0, top_p=1.0, extra_body=PLAIN, max_tokens=max_tokens,
+                                           seed=2000 + i)  # fmt: skip
         c = r.choices[0]
         calls = c.message.tool_calls or []
         good = bool(calls) and c.finish_reason == "tool_calls"

@@ -42,7 +42,7 @@ def srv(tmp_path_factory):
     config = EngineConfig(load=LoadConfig(model=str(path), dtype="float32"),
                           cache=CacheConfig(block_size=16, num_blocks_override=512),
                           scheduler=SchedulerConfig(max_model_len=2048), num_threads=1)  # fmt: skip
-    app = build_app(lambda: LLMEngine(config), ServerSettings(served_model_names=("tiny",)))
+    app = build_app(lambda: LLMEngine(config), ServerSettings(served_model_names=("tiny",), reasoning_parser="qwen3"))
     with ServerThread(app) as s:
         s.wait_ready()
         yield s
@@ -227,3 +227,18 @@ def test_bad_tool_requests_are_a_400(srv, extra, param, needle):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and needle in err["message"], err
+
+
+def test_reasoning_parser_splits_a_think_block(client):
+    """--reasoning-parser qwen3, with the think block forced by a regex (a random model would never write one)."""
+    forced = {"structured_outputs": {"regex": "<think>[a-c]{3}</think>(yes|no)"}}
+    r = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=30, extra_body=forced)
+    m = r.choices[0].message
+    assert m.content in ("yes", "no") and len(m.model_extra["reasoning_content"]) == 3
+    chunks = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=30, extra_body=forced, stream=True)
+    thought = content = ""
+    for ch in chunks:
+        for c in ch.choices:
+            thought += (c.delta.model_extra or {}).get("reasoning_content") or ""
+            content += c.delta.content or ""
+    assert content in ("yes", "no") and len(thought) == 3 and "<" not in thought + content

@@ -241,6 +241,10 @@ class Tokenizer:
         template = getattr(self._hf, "chat_template", None)
         return template if isinstance(template, str) and template else None
 
+    def set_chat_template(self, template: str) -> None:
+        """Use `template` (Jinja) instead of the model's own (--chat-template)."""
+        self._hf.chat_template = template
+
     def render_chat(
         self,
         messages: list[dict[str, Any]],

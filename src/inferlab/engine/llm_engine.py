@@ -49,6 +49,11 @@ class LLMEngine:
         self.model_config = loaded.config
         self.model_name = (resolved.name if resolved is not None else "") or loaded.config.name or "model"
         self.tokenizer = _load_tokenizer(resolved)
+        if config.chat_template is not None:
+            if self.tokenizer is None:
+                raise ValueError("chat_template: this model has no tokenizer to use it with")
+            self.tokenizer.set_chat_template(config.chat_template)
+            logger.info("chat template: the one given (--chat-template), not the model's")
         self.model_path = resolved.path if resolved is not None else loaded.source_path
         self.sampling_defaults = resolve_sampling_defaults(
             config.sampling_defaults, loaded.sampling_defaults, _SOURCE_NAMES.get(loaded.format, loaded.format),

@@ -68,6 +68,7 @@ class ServerSettings:
     kv_events_capacity: int = 8192  # records kept; a router further behind resyncs from the snapshot
     otlp_traces_endpoint: str | None = None  # each request's trace sent there over OTLP/HTTP (server/otlp.py)
     tool_call_parser: str = "auto"  # how "auto" tool calls are read (server/tool_calls.py)
+    reasoning_parser: str | None = None  # "qwen3": <think> blocks into reasoning_content (server/reasoning.py)
 
     def tenant_table(self) -> TenantTable:
         if self.tenants is not None and self.api_key is not None:
@@ -128,6 +129,7 @@ def build_app(
         gate=gate,
         tenant_metrics=tenant_metrics,
         tool_call_parser=settings.tool_call_parser,
+        reasoning_parser=settings.reasoning_parser,
     )
     guard = ApiKeyGuard(table)
 

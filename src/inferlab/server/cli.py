@@ -22,6 +22,7 @@ import threading
 from inferlab.config import EngineConfig
 from inferlab.engine.engine_args import EngineArgs, parse_size
 from inferlab.server.limits import HttpLimits
+from inferlab.server.reasoning import PARSERS as REASONING_PARSERS
 from inferlab.server.tool_calls import PARSERS
 
 
@@ -65,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", choices=PARSERS, default="auto",
                    help="the model's tool-call format, for tool_choice auto: hermes (<tool_call>{json}</tool_call>: "
                         "Hermes, Qwen2.5, Qwen3) or llama3_json (default: from the chat template)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="put a thinking model's <think>...</think> block into the message's reasoning_content "
+                        "(Qwen3, DeepSeek-R1; chat_template_kwargs {\"enable_thinking\": false} turns Qwen3's off)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice auto is always on")
     p.add_argument("--log-prompts", action="store_true", help="include prompt text in the request log lines")
@@ -131,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         kv_events=args.kv_events,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
 
     if scale is not None:

@@ -85,7 +85,6 @@ _UNSUPPORTED: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
     "bad_words": _empty,  # vLLM's
     "priority": _is(0),  # vLLM's
     "chat_template": _unset,
-    "chat_template_kwargs": _empty,
     "reasoning_effort": _unset,
     "prediction": _unset,
     "typical_p": _is(1),  # llama.cpp's samplers, off at these values
@@ -325,6 +324,12 @@ class ChatMessage(_Lenient):
         return out
 
 
+# What the server passes to the chat template itself (or transformers takes as its own options).
+_TEMPLATE_OWN = frozenset({"messages", "tools", "documents", "add_generation_prompt", "tokenize", "chat_template",
+                           "continue_final_message", "return_dict", "return_tensors", "padding", "truncation",
+                           "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"})
+
+
 class ChatCompletionRequest(_GenerationRequest):
     _unsupported = {"echo": _empty, "prompt_logprobs": _unset}
 
@@ -336,6 +341,15 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the template (enable_thinking)
+
+    @model_validator(mode="after")
+    def _check_template_kwargs(self) -> ChatCompletionRequest:
+        taken = sorted(set(self.chat_template_kwargs or {}) & _TEMPLATE_OWN)
+        if taken:
+            raise bad_request(f"chat_template_kwargs may not set {taken[0]!r} (the server sets it)",
+                              param="chat_template_kwargs")
+        return self
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

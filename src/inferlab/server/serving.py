@@ -107,6 +107,7 @@ class OpenAIServing:
         gate: TenantGate | None = None,
         tenant_metrics: TenantMetrics | None = None,
         tool_call_parser: str = "auto",
+        reasoning_parser: str | None = None,
     ):
         self.llm = llm
         self.gate = gate
@@ -117,6 +118,7 @@ class OpenAIServing:
         self.created = int(time.time())
         self._token_text: TokenText | None = None
         self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
 
     # ------------------------------------------------------------------ basics
     @property
@@ -229,13 +231,14 @@ class OpenAIServing:
 
     @staticmethod
     def _chat_prompt(
-        tokenizer: Any, messages: list, add_generation_prompt: bool = True, tools: ToolRequest | None = None
+        tokenizer: Any, messages: list, add_generation_prompt: bool = True, tools: ToolRequest | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         plain = [message_for_template(m.plain()) for m in messages]
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {"template_kwargs": dict(template_kwargs)} if template_kwargs else {}
         if tools is not None and tools.rendered:
             if template_renders_tools(getattr(tokenizer, "chat_template", None)):
-                kwargs["template_kwargs"] = {"tools": tools.tools}
+                kwargs.setdefault("template_kwargs", {})["tools"] = tools.tools
             elif plain[0]["role"] == "system":  # a template without tools: they go in the system message
                 plain[0] = {**plain[0], "content": plain[0]["content"] + "\n\n" + tools_system_prompt(tools.tools)}
             else:
@@ -250,7 +253,8 @@ class OpenAIServing:
         engine = self.engine
         model = self.check_model(req.model)
         tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
-        prompt_ids = self._chat_prompt(engine.tokenizer, req.messages, req.add_generation_prompt, tools)
+        prompt_ids = self._chat_prompt(engine.tokenizer, req.messages, req.add_generation_prompt, tools,
+                                       req.chat_template_kwargs)
         params = self.sampling_params(req)
         tool_output = None
         if tools is not None and tools.rendered:
@@ -273,6 +277,7 @@ class OpenAIServing:
             want_logprobs=params.logprobs is not None,
             token_text=self.token_text() if params.logprobs is not None else None,
             tools=tool_output,
+            reasoning=self.reasoning_parser is not None,
         )
         log_text = req.messages[-1].plain()["content"] if self.log_prompts else None
         return await self._serve(ctx, [prompt_ids], params, req, raw, arrival, "messages", log_text, tenant)
