@@ -14,7 +14,10 @@ Libraries alternate run by run; medians are printed. The tokenizer is the defaul
 (SmolLM2, vocab 49,152) when its GGUF is given or cached, else the tests' tiny BPE padded to
 --vocab. Run it on a quiet machine:
 
-    .venv/bin/python benchmarks/structured_outputs_bench.py [--model PATH.gguf] [--runs 5]
+    .venv/bin/python benchmarks/structured_outputs_bench.py [--model PATH.gguf] [--runs 5] [--engine]
+
+`--engine` adds the figure that matters: the mask's share of a whole 32-stream decode step on
+the engine (the default model unless --model), with and without a grammar, alternated.
 
 (xgrammar is not an inferlab dependency: install it next to llguidance to compare,
 `pip install --no-deps xgrammar apache-tvm-ffi`: its own requirements pull triton in.)
@@ -201,6 +204,34 @@ def run_once(lib: Any, hf: Any, vocab: int, streams: int, steps: int, fill: str,
     return compile_s, median_ms(fills), median_ms(applies)
 
 
+def engine_share(model: str | None, streams: int, tokens: int, runs: int) -> None:
+    """The mask's share of a real decode step: `streams` requests decoding `tokens` tokens each on
+    the engine, with and without a grammar (a regex of letters and spaces: no early end, and a
+    mask that allows a good part of the vocabulary), alternated; median step time (forward pass
+    and sampler, ModelRunnerOutput.step_time) of the all-decode steps."""
+    from inferlab import LLM, SamplingParams
+    from inferlab.engine.request import StructuredOutputsParams
+
+    llm = LLM(model, max_num_seqs=streams)
+    engine = llm.engine
+    steps: list[float] = []
+    engine.step_observer = lambda so, ro: steps.append(ro.step_time) if all(
+        len(s.token_ids) == 1 for s in so.scheduled) and len(so.scheduled) == streams else None
+    prompts = [f"Write a short story about the number {i}." for i in range(streams)]
+    grammar = StructuredOutputsParams(regex="[a-z ]+")
+    results: dict[str, list[float]] = {"plain": [], "grammar": []}
+    for _ in range(runs):
+        for name in ("plain", "grammar"):
+            steps.clear()
+            params = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, seed=1,
+                                    structured_outputs=grammar if name == "grammar" else None)
+            llm.generate(prompts, params)
+            results[name].append(statistics.median(steps) * 1000)
+    plain, masked = statistics.median(results["plain"]), statistics.median(results["grammar"])
+    print(f"\nengine, {streams} streams x {tokens} tokens, {runs} runs: decode step {plain:.1f} ms plain, "
+          f"{masked:.1f} ms with a grammar: the mask costs {masked - plain:.1f} ms ({(masked - plain) / plain:.1%} of the step)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a GGUF or HF folder for the tokenizer (default: the default model)")
@@ -209,6 +240,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="decode steps timed per run")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--engine", action="store_true",
+                    help="also time whole decode steps on the engine (the model given, or the default), with and without a grammar")
+    ap.add_argument("--engine-tokens", type=int, default=64)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -235,6 +269,8 @@ def main() -> None:
         f = statistics.median(r[1] for r in rs)
         a = statistics.median(r[2] for r in rs)
         print(f"{name:<11} {fill:<6} {apply:<6} {c:>10.1f} {f:>8.2f} {a:>8.2f} {f + a:>12.2f}")
+    if args.engine:
+        engine_share(args.model, args.streams, args.engine_tokens, args.runs)
 
 
 if __name__ == "__main__":

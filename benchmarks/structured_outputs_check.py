@@ -71,7 +71,7 @@ def check(client: openai.OpenAI, model: str, n: int, max_tokens: int) -> int:
         except json.JSONDecodeError:
             good = False
         valid += good
-        print(f"  schema {i + 1:2d}: {'valid  ' if good else 'INVALID'} ({r.choices[0].finish_reason}) {text[:120]}")
+        print(f"  schema {i + 1:2d}: {'valid  ' if good else 'INVALID'} ({r.choices[0].finish_reason}) {text if not good else text[:120]}")
     print(f"schema answers valid: {valid}/{n}")
 
     ok_args = validator(TOOL["function"]["parameters"])
@@ -109,7 +109,8 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="the model to serve when starting one (default: the default model)")
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("-n", type=int, default=10)
-    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--max-tokens", type=int, default=400,
+                    help="room for the longest valid answer (at temperature 1 a number may run to many digits)")
     args = ap.parse_args()
     if args.base_url:
         client = openai.OpenAI(base_url=args.base_url, api_key="unused", max_retries=0, timeout=600)
