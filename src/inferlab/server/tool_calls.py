@@ -339,7 +339,7 @@ def message_for_template(m: dict[str, Any]) -> dict[str, Any]:
     if calls:
         fixed = []
         for c in calls:
-            fn = dict(c.get("function") or {})
+            fn = dict(c["function"]) if isinstance(c.get("function"), dict) else {}
             args = fn.get("arguments")
             if isinstance(args, str):
                 try:
