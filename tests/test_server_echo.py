@@ -134,14 +134,12 @@ def test_prompt_logprobs_in_vllm_shape(srv):
         ("/v1/completions", "priority", 5),
         ("/v1/completions", "typical_p", 0.5),
         ("/v1/completions", "mirostat", 2),
-        ("/v1/completions", "guided_json", {"type": "object"}),
         ("/v1/completions", "use_beam_search", True),
-        ("/v1/chat/completions", "response_format", {"type": "json_object"}),
-        ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("/v1/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
         ("/v1/chat/completions", "echo", True),
         ("/v1/chat/completions", "prompt_logprobs", 1),
         ("/v1/chat/completions", "tool_choice", "required"),
-        ("/v1/chat/completions", "chat_template_kwargs", {"enable_thinking": True}),
+        ("/v1/chat/completions", "chat_template_kwargs", {"tokenize": True}),
         ("/v1/chat/completions", "logit_bias", {"50": -101}),  # out of range
         ("/v1/chat/completions", "logit_bias", {"100000": 1}),  # outside the vocabulary
         ("/v1/chat/completions", "logit_bias", {"x": 1}),

@@ -252,6 +252,7 @@ class EngineConfig:
     sampling_defaults: str = "model"
     override_generation_config: dict[str, float | int] = field(default_factory=dict)
     speculative: SpeculativeConfig | None = None  # None: one token per request and step
+    chat_template: str | None = None  # a Jinja chat template over the model's own (--chat-template)
 
     def __post_init__(self) -> None:
         if self.sampling_defaults not in ("model", "openai"):

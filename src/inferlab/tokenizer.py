@@ -241,6 +241,10 @@ class Tokenizer:
         template = getattr(self._hf, "chat_template", None)
         return template if isinstance(template, str) and template else None
 
+    def set_chat_template(self, template: str) -> None:
+        """Use `template` (Jinja) instead of the model's own (--chat-template)."""
+        self._hf.chat_template = template
+
     def render_chat(
         self,
         messages: list[dict[str, Any]],
@@ -304,6 +308,11 @@ class Tokenizer:
     def all_special_ids(self) -> tuple[int, ...]:
         """Ids that `decode(..., skip_special_tokens=True)` leaves out."""
         return self._special_ids
+
+    @property
+    def hf(self) -> Any:
+        """The transformers fast tokenizer (what the grammar engine reads the vocabulary from)."""
+        return self._hf
 
     @property
     def backend(self) -> Any:

@@ -13,6 +13,7 @@ import argparse
 import re
 from collections.abc import Collection
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from inferlab.config import (
@@ -81,6 +82,7 @@ class EngineArgs:
     override_generation_config: dict[str, Any] | str | None = None  # JSON or dict over the model's defaults
     # Speculative decoding: a dict or its JSON text, e.g. {"method": "ngram", "num_speculative_tokens": 4}.
     speculative_config: dict[str, Any] | str | None = None
+    chat_template: str | None = None  # a file holding a Jinja chat template, or the template itself
 
     def create_engine_config(self) -> EngineConfig:
         """The frozen EngineConfig (its dataclasses validate every value: one ValueError naming it)."""
@@ -99,6 +101,7 @@ class EngineArgs:
             sampling_defaults=self.sampling_defaults,
             override_generation_config=parse_override(self.override_generation_config),
             speculative=SpeculativeConfig.parse(self.speculative_config),
+            chat_template=read_chat_template(self.chat_template),
         )
 
     @staticmethod
@@ -116,6 +119,19 @@ class EngineArgs:
         if given.get("heap_trim_interval_s") is not None and given["heap_trim_interval_s"] < 0:
             given["heap_trim_interval_s"] = None  # the flag's "a negative value turns it off"
         return cls(**{**given, **overrides})
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template as vLLM takes it: a file's path, else the template's own text (one with
+    Jinja in it); a value that is neither is a ValueError naming the flag."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"chat_template: {value!r} is neither a file nor a Jinja template")
 
 
 _D = EngineArgs()
@@ -166,6 +182,9 @@ _FLAGS: list[tuple[str, tuple[str, ...], dict[str, Any]]] = [
      dict(default=None, metavar="JSON",
           help='sampling defaults over the model\'s, e.g. \'{"temperature": 0.5, "top_k": 20}\' '
                "(temperature, top_p, top_k, min_p, repetition_penalty)")),
+    ("chat_template", ("--chat-template",),
+     dict(default=None, metavar="FILE", help="a Jinja chat template (a file, or the template's text) used instead "
+                                             "of the model's own")),
     ("speculative_config", ("--speculative-config",),
      dict(default=None, metavar="JSON",
           help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '

@@ -24,8 +24,16 @@ from inferlab.engine.kv_events import KVEventLog
 from inferlab.engine.model_runner import ModelRunner
 from inferlab.engine.output_processor import OutputProcessor
 from inferlab.engine.outputs import ModelRunnerOutput, SchedulerOutput, SchedulerStats
-from inferlab.engine.request import Request, RequestOptions, RequestOutput, RequestStatus, SamplingParams
+from inferlab.engine.request import (
+    Request,
+    RequestOptions,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from inferlab.engine.scheduler import Scheduler
+from inferlab.engine.structured_outputs import GrammarCompiler
 from inferlab.engine.tracing import TraceRecorder
 from inferlab.models.loader import load_model
 from inferlab.models.precision import resolve_precision
@@ -50,6 +58,11 @@ class LLMEngine:
         self.model_config = loaded.config
         self.model_name = (resolved.name if resolved is not None else "") or loaded.config.name or "model"
         self.tokenizer = _load_tokenizer(resolved)
+        if config.chat_template is not None:
+            if self.tokenizer is None:
+                raise ValueError("chat_template: this model has no tokenizer to use it with")
+            self.tokenizer.set_chat_template(config.chat_template)
+            logger.info("chat template: the one given (--chat-template), not the model's")
         self.model_path = resolved.path if resolved is not None else loaded.source_path
         self.sampling_defaults = resolve_sampling_defaults(
             config.sampling_defaults, loaded.sampling_defaults, _SOURCE_NAMES.get(loaded.format, loaded.format),
@@ -80,6 +93,8 @@ class LLMEngine:
         self.eos_token_ids = tuple(
             sorted(set(self.model_config.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ()))
         )
+        self.grammars = (GrammarCompiler(self.tokenizer.hf, self.vocab_size, self.eos_token_ids)
+                         if self.tokenizer is not None else None)
         tok = self.tokenizer
         token_text = (lambda i: tok.decode([i], skip_special_tokens=False)) if tok is not None else None
         self.output_processor = OutputProcessor(self._make_detokenizer, token_text)
@@ -222,6 +237,9 @@ class LLMEngine:
         text, ids = self.encode_prompt(prompt)
         params.check_vocab(self.vocab_size)
         self.check_length(len(ids), params)
+        so = params.structured_outputs
+        if so is not None:
+            self.compile_grammar(so)  # the server has compiled it already: a cache hit
         n = params.n
         child_ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
         self.output_processor.add_request(request_id, child_ids, text, ids, params, arrival)
@@ -241,8 +259,16 @@ class LLMEngine:
                     cache_salt=options.cache_salt,
                     use_prefix_cache=options.use_prefix_cache and params.prompt_logprobs is None,
                     max_model_len=self.max_model_len,
+                    grammar=self.grammars.matcher(so) if so is not None and self.grammars is not None else None,
                 )
             )
+
+    def compile_grammar(self, params: StructuredOutputsParams) -> None:
+        """Compile a structured-outputs constraint into the cache; ValueError naming the problem.
+        Thread-safe: the server calls it on a worker thread, off the engine's step loop."""
+        if self.grammars is None:
+            raise ValueError(f"{params.source} needs the model's tokenizer, and this model has none")
+        self.grammars.compile(params)
 
     def abort_request(self, request_ids: list[str] | str, reason: str = "abort", error: str | None = None) -> None:
         """Finish requests now (client gone, deadline): blocks freed; a final output with

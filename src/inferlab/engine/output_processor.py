@@ -237,7 +237,7 @@ class OutputProcessor:
         if seq.detok is not None:
             feed = new
             # The token that ended the request by EOS or stop_token_ids is not part of the text.
-            if co.finish_reason == "stop" and new and not params.include_stop_str_in_output:
+            if co.finish_reason == "stop" and new and not params.include_stop_str_in_output and not co.stop_token_is_text:
                 feed = new[:-1]
             upd = seq.detok.update(feed) if feed else None
             if upd is not None:

@@ -32,6 +32,7 @@ class ScheduledRequest:
     # Speculative decoding: the last num_draft_tokens of token_ids are drafts (after the last
     # sampled token): the runner takes logits at every position and verifies them.
     num_draft_tokens: int = 0
+    grammar: Any = None  # the request's grammar matcher (structured outputs): the sampler masks with it
 
     @property
     def draft_token_ids(self) -> list[int]:
@@ -94,6 +95,9 @@ class EngineCoreOutput:
     num_preemptions: int = 0
     num_draft_tokens: int = 0  # drafts this step verified for the request
     num_accepted_tokens: int = 0  # of them, accepted
+    # A "stop" whose last token is text, not an EOS or stop token (a grammar completed by it):
+    # the detokenizer keeps it.
+    stop_token_is_text: bool = False
 
 
 @dataclass

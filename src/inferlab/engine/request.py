@@ -12,6 +12,43 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the text (vLLM's `structured_outputs`): exactly one of a JSON schema (as
+    JSON text), any JSON object, a regular expression, a choice of strings, or a grammar (Lark or
+    llama.cpp's GBNF). Pure data; engine/structured_outputs.py compiles it, once per `key`."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    source: str = "structured_outputs"  # the request field it came from: errors name it
+
+    def __post_init__(self) -> None:
+        set_ = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        set_ += ["json_object"] if self.json_object else []
+        if len(set_) != 1:
+            what = ", ".join(set_) if set_ else "none"
+            raise ValueError(f"{self.source} must set exactly one of json, json_object, regex, choice, grammar (got {what})")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError(f"{self.source}: choice must be a non-empty list of strings")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What a compiled grammar is cached by (the source field is not part of it)."""
+        if self.json is not None:
+            return ("json", self.json)
+        if self.json_object:
+            return ("json", '{"type": "object"}')
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.choice is not None:
+            return ("choice", "\x00".join(self.choice))
+        assert self.grammar is not None
+        return ("grammar", self.grammar)
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop. Invalid values raise `ValueError` naming the field."""
@@ -42,6 +79,8 @@ class SamplingParams:
     # token id -> bias in [-100, 100]; -100 bans a token, +100 all but forces it).
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's: sample only among these tokens
+    # The text must match this (JSON schema, regex, choice, grammar): a token mask per step.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -194,6 +233,10 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # With structured outputs: this sequence's grammar matcher (engine/structured_outputs.py's
+    # `Grammar`; duck-typed here: accept(token) -> bool, is_terminated() -> bool), advanced by
+    # the scheduler with every token it appends; the sampler masks the logits with it.
+    grammar: Any = None
 
     # Timings (time.monotonic()); None until they happen.
     first_scheduled_time: float | None = None

@@ -1,5 +1,6 @@
-"""Turns one step's logits into tokens: logit bias and allowed tokens, penalties, min_tokens, greedy or temperature/top-k/top-p/
-min-p sampling, per-request seeds, logprobs.
+"""Turns one step's logits into tokens: logit bias and allowed tokens, grammar masks (structured
+outputs), penalties, min_tokens, greedy or temperature/top-k/top-p/min-p sampling, per-request
+seeds, logprobs.
 
 Sampling is by inverse CDF: one uniform per row picks the token whose share of the running sum
 it falls in (noise for every token of a 49,152-token vocabulary made a 32-row step's sampling
@@ -24,6 +25,7 @@ import torch
 
 from inferlab.engine.outputs import ScheduledRequest
 from inferlab.engine.request import Logprob, SamplingParams, TokenLogprobs
+from inferlab.engine.structured_outputs import mask_logits
 
 _NEG_INF = float("-inf")
 
@@ -44,11 +46,16 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[ScheduledRequest]) -> SamplerOutput:
         """logits: float32 [N, V], one row per request in `rows`."""
+        raw = logits
         want_logprobs = any(r.sampling_params.logprobs is not None for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
         if any(r.sampling_params.has_token_constraints for r in rows):
             logits = apply_token_constraints(logits.clone(), rows)
+        grammar_rows = [i for i, r in enumerate(rows) if getattr(r, "grammar", None) is not None]
+        if grammar_rows:  # structured outputs: what the grammar forbids, before everything else
+            logits = mask_logits(logits if logits is not raw else logits.clone(), grammar_rows,
+                                 [rows[i].grammar for i in grammar_rows])
         if any(r.sampling_params.has_penalties for r in rows):
             logits = apply_penalties(logits.clone(), rows)
         logits = mask_early_stop_tokens(logits, rows)

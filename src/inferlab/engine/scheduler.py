@@ -295,6 +295,8 @@ class Scheduler:
         decoding = [r for r in self.running if r.num_computed_tokens == r.num_tokens - 1]  # not prefilling
         batch: list[tuple[Request, int]] = []
         for request in decoding:
+            if request.grammar is not None:
+                continue  # each draft position would need a mask past drafts not yet accepted
             params = request.sampling_params
             room = min(budget - 1, self._max_len(request) - request.num_tokens - 1)
             if params.max_tokens is not None:
@@ -325,6 +327,7 @@ class Scheduler:
             output_token_ids=request.output_token_ids,
             eos_token_ids=request.eos_token_ids,
             num_draft_tokens=len(drafts),
+            grammar=request.grammar,
         )
 
     # ------------------------------------------------------------------ after the forward pass
@@ -400,6 +403,9 @@ class Scheduler:
                     num_preemptions=request.num_preemptions,
                     num_draft_tokens=k,
                     num_accepted_tokens=len(tokens) - 1 if k else 0,
+                    stop_token_is_text=status is RequestStatus.FINISHED_STOPPED and request.grammar is not None
+                    and new_tokens[-1] not in request.sampling_params.stop_token_ids
+                    and new_tokens[-1] not in request.eos_token_ids,
                 )
             )
         self._drop_finished(finished)
@@ -420,8 +426,17 @@ class Scheduler:
             self._requeue(request)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        """The finished status the new token causes, or None; sets request.stop_reason."""
+        """The finished status the new token causes, or None; sets request.stop_reason.
+        A request with a grammar advances its matcher first: a finished grammar ends it ("stop"),
+        a token the grammar refuses (only possible when other constraints left no token it
+        allows) ends it as an error rather than return text that breaks the grammar."""
         params = request.sampling_params
+        if request.grammar is not None:
+            if not request.grammar.accept(token):
+                return RequestStatus.FINISHED_ERROR
+            if request.grammar.is_terminated():
+                request.stop_reason = token if token in params.stop_token_ids else None
+                return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.min_tokens:
             # The sampler masks these below min_tokens as well; checked again here so that a
             # runner that does not mask still cannot stop a request early.

@@ -67,6 +67,8 @@ class ServerSettings:
     kv_events: bool = True  # GET /kv_events and /kv_events/snapshot for routers (engine/kv_events.py)
     kv_events_capacity: int = 8192  # records kept; a router further behind resyncs from the snapshot
     otlp_traces_endpoint: str | None = None  # each request's trace sent there over OTLP/HTTP (server/otlp.py)
+    tool_call_parser: str = "auto"  # how "auto" tool calls are read (server/tool_calls.py)
+    reasoning_parser: str | None = None  # "qwen3": <think> blocks into reasoning_content (server/reasoning.py)
 
     def tenant_table(self) -> TenantTable:
         if self.tenants is not None and self.api_key is not None:
@@ -126,6 +128,8 @@ def build_app(
         request_timeout=settings.request_timeout,
         gate=gate,
         tenant_metrics=tenant_metrics,
+        tool_call_parser=settings.tool_call_parser,
+        reasoning_parser=settings.reasoning_parser,
     )
     guard = ApiKeyGuard(table)
 

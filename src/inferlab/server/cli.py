@@ -22,6 +22,8 @@ import threading
 from inferlab.config import EngineConfig
 from inferlab.engine.engine_args import EngineArgs, parse_size
 from inferlab.server.limits import HttpLimits
+from inferlab.server.reasoning import PARSERS as REASONING_PARSERS
+from inferlab.server.tool_calls import PARSERS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,6 +63,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--otlp-traces-endpoint", metavar="URL", default=None,
                    help="send each request's trace (queue, prefill chunks, decode, stream) to this OpenTelemetry "
                         "collector over OTLP/HTTP, e.g. http://127.0.0.1:4318 (needs the 'otlp' extra)")
+    p.add_argument("--tool-call-parser", choices=PARSERS, default="auto",
+                   help="the model's tool-call format, for tool_choice auto: hermes (<tool_call>{json}</tool_call>: "
+                        "Hermes, Qwen2.5, Qwen3) or llama3_json (default: from the chat template)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="put a thinking model's <think>...</think> block into the message's reasoning_content "
+                        "(Qwen3, DeepSeek-R1; chat_template_kwargs {\"enable_thinking\": false} turns Qwen3's off)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines: tool_choice auto is always on")
     p.add_argument("--log-prompts", action="store_true", help="include prompt text in the request log lines")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])  # fmt: skip
     from inferlab.ray_serve.launch import add_arguments as add_replica_arguments
@@ -124,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout,
         kv_events=args.kv_events,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
 
     if scale is not None:

@@ -1,8 +1,8 @@
 """The OpenAI-compatible request bodies (pydantic) and their translation to `SamplingParams`.
 
 Unknown fields are ignored, not rejected: benchmark clients send extras (vLLM's and llama.cpp's
-own fields, `user`, ...). But a field we know and cannot honour (`best_of` > n, `suffix`, a JSON
-`response_format`, tools, guided decoding, `bad_words`, llama.cpp's other samplers, ...) is a 400
+own fields, `user`, ...). But a field we know and cannot honour (`best_of` > n, `suffix`,
+`bad_words`, llama.cpp's other samplers, ...) is a 400
 naming it when it carries anything but its neutral value: ignoring it would answer a different
 question without saying so (lm-eval scored chance while `echo` was ignored). Absent sampling
 fields get the engine's sampling defaults (engine/generation_config.py: the model's own, else
@@ -13,13 +13,14 @@ error's `param`.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
 from inferlab.engine.generation_config import SamplingDefaults
-from inferlab.engine.request import SamplingParams
+from inferlab.engine.request import SamplingParams, StructuredOutputsParams
 
 
 class ApiError(Exception):
@@ -64,10 +65,6 @@ def _empty(value: Any, body: dict[str, Any]) -> bool:
     return value is None or value is False or value == "" or value == [] or value == {}
 
 
-def _text_format(value: Any, body: dict[str, Any]) -> bool:
-    return value is None or (isinstance(value, dict) and value.get("type", "text") == "text")
-
-
 def _is(*neutral: Any) -> Callable[[Any, dict[str, Any]], bool]:
     """Neutral when absent or one of `neutral` (llama.cpp's samplers at their 'off' values)."""
     return lambda value, body: value is None or any(value == n and type(value) is not bool for n in neutral)
@@ -83,15 +80,11 @@ def _best_of_n(value: Any, body: dict[str, Any]) -> bool:
 
 # Fields both routes know but do not implement → "is this value neutral?" (then it is accepted).
 _UNSUPPORTED: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
-    "response_format": _text_format,
-    "tools": _empty,
-    "tool_choice": _tool_choice,
     "functions": _empty,
     "function_call": _unset,
     "bad_words": _empty,  # vLLM's
     "priority": _is(0),  # vLLM's
     "chat_template": _unset,
-    "chat_template_kwargs": _empty,
     "reasoning_effort": _unset,
     "prediction": _unset,
     "typical_p": _is(1),  # llama.cpp's samplers, off at these values
@@ -101,18 +94,34 @@ _UNSUPPORTED: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
     "dry_multiplier": _is(0),
     "dynatemp_range": _is(0),
     "top_n_sigma": _is(-1),
-    "guided_json": _unset,
-    "guided_regex": _unset,
-    "guided_choice": _unset,
-    "guided_grammar": _unset,
-    "structured_outputs": _unset,
-    "grammar": _empty,  # llama.cpp's
-    "json_schema": _empty,  # llama.cpp's
     "use_beam_search": _empty,
     "logits_processors": _empty,
     "return_tokens_as_token_ids": _empty,
     "truncate_prompt_tokens": _unset,
 }
+
+
+_STRUCTURED_KEYS = frozenset({"json", "json_object", "regex", "choice", "grammar"})
+
+
+def _schema_text(schema: Any, source: str) -> str:
+    """A JSON schema as canonical text (the compiled-grammar cache's key): sent as an object,
+    or as a string holding one (vLLM's guided_json takes both)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise bad_request(f"{source}: the JSON schema is not valid JSON: {e}", param=source) from None
+    if not isinstance(schema, (dict, bool)):
+        raise bad_request(f"{source}: a JSON schema must be an object, got {type(schema).__name__}", param=source)
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+
+
+def _structured(source: str, **kwargs: Any) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(source=source, **kwargs)
+    except ValueError as e:
+        raise bad_request(str(e), param=source) from None
 
 
 class StreamOptions(_Lenient):
@@ -148,6 +157,16 @@ class _GenerationRequest(_Lenient):
     timeout: float | None = Field(default=None, gt=0)  # per-request deadline in seconds (the server caps it)
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a string) -> bias in [-100, 100]
     allowed_token_ids: list[StrictInt] | None = None  # vLLM's
+    # Structured outputs (see structured_outputs_params): OpenAI's, vLLM's (and its older
+    # guided_* fields), llama.cpp's.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    json_schema: dict[str, Any] | None = None
+    grammar: StrictStr | None = None
 
     # This route's own known-but-unimplemented fields, on top of _UNSUPPORTED.
     _unsupported: ClassVar[dict[str, Callable[[Any, dict[str, Any]], bool]]] = {}
@@ -179,6 +198,64 @@ class _GenerationRequest(_Lenient):
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage and self.stream_options.continuous_usage_stats)
 
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one text constraint the request asks for, from whichever field it used; two at
+        once is a 400 naming the second (which one would win is not ours to guess)."""
+        found: list[StructuredOutputsParams] = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type", "text")
+            if kind == "json_object":
+                found.append(StructuredOutputsParams(json_object=True, source="response_format"))
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+                    raise bad_request("response_format.json_schema must be an object with a 'schema' (a JSON schema object)",
+                                      param="response_format")
+                found.append(StructuredOutputsParams(json=_schema_text(spec["schema"], "response_format"),
+                                                     source="response_format"))
+            elif kind != "text":
+                raise bad_request(f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+                                  param="response_format")
+        so = self.structured_outputs
+        if so:
+            unknown = [k for k, v in so.items() if k not in _STRUCTURED_KEYS and v not in (None, False, "", [], {})]
+            if unknown:
+                raise bad_request(f"structured_outputs.{unknown[0]} is not supported (json, json_object, regex, "
+                                  "choice, grammar)", param="structured_outputs")
+            kwargs: dict[str, Any] = {}
+            for key in ("json", "regex", "choice", "grammar", "json_object"):
+                value = so.get(key)
+                if value is None or value is False:
+                    continue
+                if key == "json":
+                    value = _schema_text(value, "structured_outputs")
+                elif key == "choice":
+                    if not isinstance(value, list):
+                        raise bad_request("structured_outputs.choice must be a list of strings", param="structured_outputs")
+                    value = tuple(value)
+                elif key == "json_object":
+                    value = bool(value)
+                elif not isinstance(value, str):
+                    raise bad_request(f"structured_outputs.{key} must be a string", param="structured_outputs")
+                kwargs[key] = value
+            found.append(_structured("structured_outputs", **kwargs))
+        for name, key, value in (("guided_json", "json", self.guided_json), ("guided_regex", "regex", self.guided_regex),
+                                 ("guided_choice", "choice", self.guided_choice),
+                                 ("guided_grammar", "grammar", self.guided_grammar),
+                                 ("json_schema", "json", self.json_schema or None),
+                                 ("grammar", "grammar", self.grammar or None)):  # fmt: skip
+            if value is not None:
+                if key == "json":
+                    value = _schema_text(value, name)
+                elif key == "choice":
+                    value = tuple(value)  # type: ignore[arg-type]
+                found.append(_structured(name, **{key: value}))
+        if len(found) > 1:
+            raise bad_request(f"{found[1].source} and {found[0].source} both constrain the output: send one",
+                              param=found[1].source)
+        return found[0] if found else None
+
     def to_sampling_params(self, defaults: SamplingDefaults | None = None) -> SamplingParams:
         """The request's values, else `defaults` (the engine's; OpenAI's neutral ones without);
         a bad value raises ApiError(400) naming the field."""
@@ -209,6 +286,7 @@ class _GenerationRequest(_Lenient):
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias=dict(self.logit_bias) if self.logit_bias else None,  # type: ignore[arg-type]
                 allowed_token_ids=self.allowed_token_ids,
+                structured_outputs=self.structured_outputs_params(),
             )
         except ValueError as e:
             raise bad_request(str(e), param=str(e).split(" ", 1)[0]) from e
@@ -223,9 +301,12 @@ class ChatMessage(_Lenient):
     role: StrictStr
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool result's
 
-    def plain(self) -> dict[str, str]:
-        """The message as the chat template wants it: role and one text string."""
+    def plain(self) -> dict[str, Any]:
+        """The message as the chat template wants it: role and one text string (and a tool
+        turn's fields)."""
         content = self.content
         if isinstance(content, list):
             texts = []
@@ -236,7 +317,17 @@ class ChatMessage(_Lenient):
                     )
                 texts.append(part.text)
             content = "".join(texts)
-        return {"role": self.role, "content": content or ""}
+        out: dict[str, Any] = {"role": self.role, "content": content or ""}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+# What the server passes to the chat template itself (or transformers takes as its own options).
+_TEMPLATE_OWN = frozenset({"messages", "tools", "documents", "add_generation_prompt", "tokenize", "chat_template",
+                           "continue_final_message", "return_dict", "return_tensors", "padding", "truncation",
+                           "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"})
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -247,6 +338,18 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the template (enable_thinking)
+
+    @model_validator(mode="after")
+    def _check_template_kwargs(self) -> ChatCompletionRequest:
+        taken = sorted(set(self.chat_template_kwargs or {}) & _TEMPLATE_OWN)
+        if taken:
+            raise bad_request(f"chat_template_kwargs may not set {taken[0]!r} (the server sets it)",
+                              param="chat_template_kwargs")
+        return self
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -268,7 +371,7 @@ class CompletionRequest(_GenerationRequest):
     entry per prompt token first, the first one null: OpenAI's shape, what lm-eval scores);
     `max_tokens: 0` with `echo` scores the prompt alone; `prompt_logprobs` is vLLM's."""
 
-    _unsupported = {"suffix": _empty, "best_of": _best_of_n}
+    _unsupported = {"suffix": _empty, "best_of": _best_of_n, "tools": _empty, "tool_choice": _tool_choice}
 
     prompt: PromptInput
     max_tokens: int | None = Field(default=None, ge=0)  # 0 only with echo

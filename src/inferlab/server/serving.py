@@ -43,6 +43,15 @@ from inferlab.server.quotas import Lease, TenantGate
 from inferlab.server.render import TokenText
 from inferlab.server.streaming import ResponseContext, merge_streams, response_dict, sse_stream
 from inferlab.server.tenants import Tenant
+from inferlab.server.tool_calls import (
+    ToolOutput,
+    ToolRequest,
+    choose_parser,
+    message_for_template,
+    template_renders_tools,
+    tool_request,
+    tools_system_prompt,
+)
 
 logger = logging.getLogger("inferlab.server")
 
@@ -97,6 +106,8 @@ class OpenAIServing:
         request_timeout: float | None = None,
         gate: TenantGate | None = None,
         tenant_metrics: TenantMetrics | None = None,
+        tool_call_parser: str = "auto",
+        reasoning_parser: str | None = None,
     ):
         self.llm = llm
         self.gate = gate
@@ -106,6 +117,8 @@ class OpenAIServing:
         self.request_timeout = request_timeout
         self.created = int(time.time())
         self._token_text: TokenText | None = None
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
 
     # ------------------------------------------------------------------ basics
     @property
@@ -217,10 +230,21 @@ class OpenAIServing:
             raise bad_request(f"cannot decode the prompt's token ids: {e}", param="prompt") from None
 
     @staticmethod
-    def _chat_prompt(tokenizer: Any, messages: list, add_generation_prompt: bool = True) -> list[int]:
-        plain = [m.plain() for m in messages]
+    def _chat_prompt(
+        tokenizer: Any, messages: list, add_generation_prompt: bool = True, tools: ToolRequest | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        plain = [message_for_template(m.plain()) for m in messages]
+        kwargs: dict[str, Any] = {"template_kwargs": dict(template_kwargs)} if template_kwargs else {}
+        if tools is not None and tools.rendered:
+            if template_renders_tools(getattr(tokenizer, "chat_template", None)):
+                kwargs.setdefault("template_kwargs", {})["tools"] = tools.tools
+            elif plain[0]["role"] == "system":  # a template without tools: they go in the system message
+                plain[0] = {**plain[0], "content": plain[0]["content"] + "\n\n" + tools_system_prompt(tools.tools)}
+            else:
+                plain.insert(0, {"role": "system", "content": tools_system_prompt(tools.tools)})
         try:
-            return list(tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt))
+            return list(tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, **kwargs))
         except ValueError as e:
             raise bad_request(str(e), param="messages") from None
 
@@ -228,8 +252,20 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, raw: Request, arrival: float, tenant: Tenant) -> Response:
         engine = self.engine
         model = self.check_model(req.model)
-        prompt_ids = self._chat_prompt(engine.tokenizer, req.messages, req.add_generation_prompt)
+        tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
+        prompt_ids = self._chat_prompt(engine.tokenizer, req.messages, req.add_generation_prompt, tools,
+                                       req.chat_template_kwargs)
         params = self.sampling_params(req)
+        tool_output = None
+        if tools is not None and tools.rendered:
+            forced = tools.constraint()
+            if forced is not None:
+                if params.structured_outputs is not None:
+                    raise bad_request(f"tool_choice {tools.choice!r} forces the output, and "
+                                      f"{params.structured_outputs.source} constrains it too: send one", param="tool_choice")
+                params = dataclasses.replace(params, structured_outputs=forced)
+            parser = choose_parser(self.tool_call_parser, getattr(engine.tokenizer, "chat_template", None))
+            tool_output = ToolOutput(tools, parser)
         ctx = ResponseContext(
             kind="chat",
             response_id=f"chatcmpl-{uuid.uuid4().hex}",
@@ -240,6 +276,8 @@ class OpenAIServing:
             continuous_usage=req.continuous_usage,
             want_logprobs=params.logprobs is not None,
             token_text=self.token_text() if params.logprobs is not None else None,
+            tools=tool_output,
+            reasoning=self.reasoning_parser is not None,
         )
         log_text = req.messages[-1].plain()["content"] if self.log_prompts else None
         return await self._serve(ctx, [prompt_ids], params, req, raw, arrival, "messages", log_text, tenant)
@@ -296,6 +334,8 @@ class OpenAIServing:
         tenant: Tenant,
     ) -> Response:
         params = self._apply_tenant_caps(tenant, prompts, params, req, prompt_param)
+        if params.structured_outputs is not None:
+            await self._compile_grammar(params)
         estimate = sum(map(len, prompts)) + len(prompts) * params.n * (params.max_tokens or 0)
         lease = self._admit(tenant, estimate, ctx, arrival, log_text)
 
@@ -359,6 +399,20 @@ class OpenAIServing:
             for s in streams:
                 s.abort()
             done(status, finals)
+
+    async def _compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's constraint on a worker thread, before the engine sees it: a new
+        schema costs milliseconds that no engine step waits for, and an invalid one is a 400
+        naming the problem. The engine then finds it in its cache."""
+        so = params.structured_outputs
+        assert so is not None
+        compile_grammar = getattr(self.engine, "compile_grammar", None)
+        if compile_grammar is None:
+            raise bad_request(f"{so.source} is not supported by this engine", param=so.source)
+        try:
+            await asyncio.to_thread(compile_grammar, so)
+        except ValueError as e:
+            raise bad_request(str(e), param=so.source) from None
 
     async def _collect(
         self, ctx: ResponseContext, streams: list[RequestStream], raw: Request

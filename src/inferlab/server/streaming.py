@@ -19,6 +19,7 @@ from typing import Any
 from inferlab.engine.async_llm import EngineStepError, RequestStream
 from inferlab.engine.request import RequestOutput
 from inferlab.server.admission import to_api_error
+from inferlab.server.reasoning import ReasoningStream, split_reasoning
 from inferlab.server.render import (
     SSE_DONE,
     TokenText,
@@ -30,6 +31,7 @@ from inferlab.server.render import (
     timings,
     usage,
 )
+from inferlab.server.tool_calls import Delta, ToolOutput, ToolStream
 
 
 @dataclass
@@ -50,6 +52,8 @@ class ResponseContext:
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone, finish_reason "length"
     logprobs: int | None = None  # completions' top k, for the echoed prompt's entries too
     prompt_logprobs: int | None = None  # vLLM's: each choice carries `prompt_logprobs`
+    tools: ToolOutput | None = None  # chat with tools: answers read as tool calls
+    reasoning: bool = False  # chat under --reasoning-parser: <think> blocks into reasoning_content
     # Called once at the end with (status, the last output of each prompt): the request's log line.
     on_done: Callable[[str, list[RequestOutput | None]], None] | None = None
     first_output_time: float | None = None  # the first output reached the HTTP side (the trace's stream span)
@@ -140,6 +144,8 @@ async def sse_stream(ctx: ResponseContext, streams: list[RequestStream]) -> Asyn
     latest: list[RequestOutput | None] = [None] * len(streams)
     text_offsets: dict[int, int] = {}
     started: set[int] = set()  # completion choices that sent their first piece (the echo)
+    tool_streams: dict[int, ToolStream] = {}  # chat choices' tool-call readers
+    reasoning_streams: dict[int, ReasoningStream] = {}  # and their <think> splitters
     status = "disconnected"
     try:
         if ctx.chat:
@@ -166,7 +172,33 @@ async def sse_stream(ctx: ResponseContext, streams: list[RequestStream]) -> Asyn
                 if ctx.chat:
                     if ctx.want_logprobs and c.logprobs_delta:
                         lp = chat_logprobs(c.logprobs_delta, ctx.token_text)
-                    choice = {"index": index, "delta": {"content": c.text_delta} if c.text_delta else {}}
+                    text = c.text_delta
+                    delta: dict[str, Any] = {}
+                    if ctx.reasoning:
+                        rs = reasoning_streams.setdefault(index, ReasoningStream())
+                        thought, text = rs.feed(text) if text else ("", "")
+                        if reason is not None:
+                            more_thought, more_text = rs.finish()
+                            thought, text = thought + more_thought, text + more_text
+                        if thought:
+                            delta["reasoning_content"] = thought
+                    if ctx.tools is not None:
+                        ts = tool_streams.setdefault(index, ctx.tools.stream())
+                        d = ts.feed(text) if text else Delta()
+                        if reason is not None:
+                            tail = ts.finish()
+                            d = Delta(d.content + tail.content, d.tool_calls + tail.tool_calls)
+                            if ts.num_calls and reason == "stop":
+                                reason = "tool_calls"
+                        if d.content:
+                            delta["content"] = d.content
+                        if d.tool_calls:
+                            delta["tool_calls"] = d.tool_calls
+                    elif text:
+                        delta["content"] = text
+                    if not delta and reason is None and lp is None:
+                        continue  # held back: it may be the start of a tag
+                    choice = {"index": index, "delta": delta}
                 else:
                     first = index not in started
                     started.add(index)
@@ -223,7 +255,17 @@ def response_dict(ctx: ResponseContext, finals: list[RequestOutput], logprobs: l
             reason, stop_reason = c.finish_reason, c.stop_reason
             if ctx.chat:
                 lp = chat_logprobs(items, ctx.token_text) if ctx.want_logprobs else None
-                choice = {"index": index, "message": {"role": "assistant", "content": c.text}}
+                message: dict[str, Any] = {"role": "assistant", "content": c.text}
+                if ctx.reasoning:
+                    thought, message["content"] = split_reasoning(c.text)
+                    message["reasoning_content"] = thought
+                if ctx.tools is not None:
+                    content, calls = ctx.tools.extract(message["content"])
+                    if calls:
+                        message.update(content=content, tool_calls=[t.as_dict() for t in calls])
+                        if reason == "stop":
+                            reason = "tool_calls"
+                choice = {"index": index, "message": message}
             else:
                 text, lp = completion_text_and_logprobs(ctx, p, out, c.text, items, first=True)
                 choice = {"index": index, "text": text}
