@@ -236,6 +236,25 @@ inline void dot_tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int
   }
 }
 
+// One block of nb <= 4 bf16 weight rows (row stride K) times the M bf16 rows of xb, into
+// y[i * ldy + j], scaled and biased per row (either null); `stream`: the block comes from memory.
+inline void block_tiles_bf16(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* wp, int nb, bool stream,
+                             const float* sc, const float* bs, float* y, int64_t ldy) {
+  auto tile = [&](auto mb_tag, int64_t m) {
+    constexpr int MB = decltype(mb_tag)::value;
+    float* yt = y + m * ldy;
+    const bool first = stream && m == 0;
+    if (nb == kRowsW) {
+      dot_tile_bf16<MB, kRowsW>(xb + m * K, K, wp, K, K, first, sc, bs, yt, ldy);
+    } else {
+      for (int j = 0; j < nb; ++j)
+        dot_tile_bf16<MB, 1>(xb + m * K, K, wp + j * K, K, K, first, sc ? sc + j : nullptr, bs ? bs + j : nullptr,
+                             yt + j, ldy);
+    }
+  };
+  for_row_tiles<kRowsX16>(M, tile);
+}
+
 // row_products (above) for bf16 weights: the same contract, the products by vdpbf16ps.
 // A non-template overload, so every caller of row_products with bf16 weights takes it.
 inline void row_products(const float* x, int64_t M, int64_t K, const at::BFloat16* w, int64_t r0, int64_t rows,
@@ -246,23 +265,9 @@ inline void row_products(const float* x, int64_t M, int64_t K, const at::BFloat1
   x_to_bf16(x, M * K, xb.data());
   const uint16_t* wb = reinterpret_cast<const uint16_t*>(w);
   for (int64_t b = 0; b < rows; b += kRowsW) {
-    const int nb = static_cast<int>(std::min<int64_t>(kRowsW, rows - b));
     const int64_t r = r0 + b;
-    const uint16_t* wp = wb + r * K;
-    const float* sc = scale ? scale + r : nullptr;
-    const float* bs = bias ? bias + r : nullptr;
-    auto tile = [&](auto mb_tag, int64_t m) {
-      constexpr int MB = decltype(mb_tag)::value;
-      float* yt = y + m * ldy + b;
-      if (nb == kRowsW) {
-        dot_tile_bf16<MB, kRowsW>(xb.data() + m * K, K, wp, K, K, m == 0, sc, bs, yt, ldy);
-      } else {
-        for (int j = 0; j < nb; ++j)
-          dot_tile_bf16<MB, 1>(xb.data() + m * K, K, wp + j * K, K, K, m == 0, sc ? sc + j : nullptr,
-                               bs ? bs + j : nullptr, yt + j, ldy);
-      }
-    };
-    for_row_tiles<kRowsX16>(M, tile);
+    block_tiles_bf16(xb.data(), M, K, wb + r * K, static_cast<int>(std::min<int64_t>(kRowsW, rows - b)), true,
+                     scale ? scale + r : nullptr, bias ? bias + r : nullptr, y + b, ldy);
   }
 }
 
@@ -310,20 +315,8 @@ inline void row_products(const float* x, int64_t M, int64_t K, const int8_t* w, 
     const int nb = static_cast<int>(std::min<int64_t>(kRowsW, rows - b));
     const int64_t r = r0 + b;
     codes_to_bf16(w + r * K, nb, K, wb);
-    const float* sc = scale ? scale + r : nullptr;
-    const float* bs = bias ? bias + r : nullptr;
-    auto tile = [&](auto mb_tag, int64_t m) {
-      constexpr int MB = decltype(mb_tag)::value;
-      float* yt = y + m * ldy + b;
-      if (nb == kRowsW) {
-        dot_tile_bf16<MB, kRowsW>(xb.data() + m * K, K, wb, K, K, false, sc, bs, yt, ldy);
-      } else {
-        for (int j = 0; j < nb; ++j)
-          dot_tile_bf16<MB, 1>(xb.data() + m * K, K, wb + j * K, K, K, false, sc ? sc + j : nullptr,
-                               bs ? bs + j : nullptr, yt + j, ldy);
-      }
-    };
-    for_row_tiles<kRowsX16>(M, tile);
+    block_tiles_bf16(xb.data(), M, K, wb, nb, false, scale ? scale + r : nullptr, bias ? bias + r : nullptr, y + b,
+                     ldy);
   }
 }
 #endif  // __AVX512BF16__
