@@ -128,6 +128,38 @@ def test_a_server_error_is_shown_in_the_page(srv, page):
     assert "error:" in err.inner_text() and "512" in err.inner_text()
 
 
+def test_structured_outputs_from_the_playground(srv, page):
+    """The response-format control: a strict JSON schema and a list of choices constrain a tiny
+    random model's answer (valid every time); a schema that is not JSON is refused in the page."""
+    page.goto(srv.url("/"))
+    page.wait_for_selector("#model option[value=tiny]", state="attached")
+    page.fill("#max_tokens", "40")
+    page.fill("#temperature", "1")
+    schema = {"type": "object", "properties": {"ok": {"type": "string", "enum": ["yes", "no"]}},
+              "required": ["ok"], "additionalProperties": False}
+    page.select_option("#response_format", "json_schema")
+    page.fill("#constraint", json.dumps(schema))
+    page.fill("#prompt", "Answer yes or no.")
+    page.press("#prompt", "Enter")
+    first = page.locator(".msg.assistant").nth(0)
+    first.locator(".status", has_text="finished").wait_for()
+    assert json.loads(first.locator(".content").inner_text()) in ({"ok": "yes"}, {"ok": "no"})
+    page.select_option("#response_format", "choice")
+    page.fill("#constraint", "red\nblue")
+    page.fill("#prompt", "A colour?")
+    page.press("#prompt", "Enter")
+    second = page.locator(".msg.assistant").nth(1)
+    second.locator(".status", has_text="finished").wait_for()
+    assert second.locator(".content").inner_text() in ("red", "blue")
+    page.select_option("#response_format", "json_schema")
+    page.fill("#constraint", "{not json")
+    page.fill("#prompt", "again")
+    page.press("#prompt", "Enter")
+    err = page.locator(".msg.assistant").nth(2).locator(".status.error")
+    err.wait_for()
+    assert "not valid JSON" in err.inner_text()
+
+
 def test_the_dashboard_moves_under_load_and_draws_a_trace(srv, page):
     page.goto(srv.url("/dashboard"))
     page.wait_for_function("() => Number(document.body.dataset.events || 0) >= 1")

@@ -23,7 +23,29 @@ function requestBody(messages) {
     if (v !== null) body[k] = v;
   }
   if (document.getElementById("ignore_eos").checked) body.ignore_eos = true;
+  Object.assign(body, structuredOutputs());
   return body;
+}
+
+// The structured-output fields for the chosen format: OpenAI's response_format for JSON, vLLM's
+// structured_outputs for a regex or a list of choices. A schema that is not JSON is refused here,
+// in the page; one the server cannot compile comes back as its 400.
+function structuredOutputs() {
+  const kind = document.getElementById("response_format").value;
+  const text = document.getElementById("constraint").value.trim();
+  if (kind === "json_object") return { response_format: { type: "json_object" } };
+  if (kind === "json_schema") {
+    let schema;
+    try {
+      schema = JSON.parse(text);
+    } catch (e) {
+      throw new Error("the JSON schema is not valid JSON: " + e.message);
+    }
+    return { response_format: { type: "json_schema", json_schema: { name: "playground", schema, strict: true } } };
+  }
+  if (kind === "regex") return { structured_outputs: { regex: text } };
+  if (kind === "choice") return { structured_outputs: { choice: text.split("\n").map((c) => c.trim()).filter(Boolean) } };
+  return {};
 }
 
 function chatMessages() {
