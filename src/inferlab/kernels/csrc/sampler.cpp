@@ -202,32 +202,31 @@ int64_t sample_row(const float* x, int64_t V, float temperature, int64_t top_k, 
   int64_t c = limited ? top_k : std::min(V, kCandidates);
   top_candidates(x, V, c, cand);
   const float top = cand[0].v;
-  // The normaliser, relative to exp of the top logit: over the top-k, else over the whole row.
-  float norm = 0.0f;
-  if (limited || c == V) {
-    for (int64_t j = 0; j < c; ++j) {
-      const float z = (cand[j].v - top) * inv_t;
-      norm += z >= kExpFloor ? std::exp(z) : 0.0f;
-    }
-  } else {
-    w.resize(V);
-    norm = exp_row(x, V, top, inv_t, w.data());
-  }
-  w.resize(std::max<int64_t>(V, c));
-  float mass = 0.0f;
-  for (int64_t j = 0; j < c; ++j) {
-    const float z = (cand[j].v - top) * inv_t;
-    w[j] = (z >= kExpFloor ? std::exp(z) : 0.0f) / norm;
-    mass += w[j];
-  }
-  while (!limited && c < V && mass < top_p) {  // the nucleus reaches past the candidates: 8x more
-    c = std::min(V, 8 * c);
-    top_candidates(x, V, c, cand);
-    mass = 0.0f;
-    for (int64_t j = 0; j < c; ++j) {
+  // The candidates' weights exp(z - z_top) / norm into w[0..c), their sum returned.
+  auto weigh = [&](int64_t n, float norm) {
+    float mass = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
       const float z = (cand[j].v - top) * inv_t;
       w[j] = (z >= kExpFloor ? std::exp(z) : 0.0f) / norm;
       mass += w[j];
+    }
+    return mass;
+  };
+  // The normaliser, relative to exp of the top logit: over the top-k (the candidates' own sum),
+  // else over the whole row.
+  w.resize(std::max<int64_t>(V, c));
+  float mass;
+  if (limited || c == V) {
+    const float norm = weigh(c, 1.0f);
+    for (int64_t j = 0; j < c; ++j) w[j] /= norm;
+    mass = 1.0f;
+  } else {
+    const float norm = exp_row(x, V, top, inv_t, w.data());
+    mass = weigh(c, norm);
+    while (c < V && mass < top_p) {  // the nucleus reaches past the candidates: 8x more
+      c = std::min(V, 8 * c);
+      top_candidates(x, V, c, cand);
+      mass = weigh(c, norm);
     }
   }
   float before = 0.0f;
