@@ -44,10 +44,7 @@ def _reference(x: torch.Tensor, lin: WeightOnlyLinear, rows: int = 1) -> tuple[t
     oneDNN's bf16 output rounding (half an ulp)."""
     gemm = lin.bf16_gemm and rows >= MKL_MIN_ROWS  # oneDNN: bf16 x, bf16 weights, bf16 output
     w = lin.dequantized(torch.bfloat16 if gemm else torch.float32).double()
-    # Our micro-kernel (rows < MKL_MIN_ROWS; 0 = forced) rounds x too from bf16_x_min_rows rows of x.
-    m = x.reshape(-1, x.shape[-1]).shape[0]
-    tiles = lin.bf16_x_min_rows is not None and lin.bf16_x_min_rows < MKL_MIN_ROWS and m >= lin.bf16_x_min_rows
-    xs = x.bfloat16().double() if gemm or tiles else x.double()
+    xs = x.bfloat16().double() if gemm or _tiles_round_x(lin, x.reshape(-1, x.shape[-1]).shape[0]) else x.double()
     y = xs @ w.T
     # float32 accumulation over K terms: a few ulps of the sum of magnitudes.
     bound = 1e-5 * (xs.abs() @ w.abs().T) + 1e-6
@@ -56,6 +53,13 @@ def _reference(x: torch.Tensor, lin: WeightOnlyLinear, rows: int = 1) -> tuple[t
     if lin.bias is not None:
         y = y + lin.bias.double()
     return y, bound
+
+
+def _tiles_round_x(lin: WeightOnlyLinear, m: int) -> bool:
+    """Whether our micro-kernel (below MKL_MIN_ROWS rows, or forced) rounds these m rows of x to
+    bf16: from `lin.bf16_x_min_rows` rows, when that is below MKL_MIN_ROWS."""
+    lo = lin.bf16_x_min_rows
+    return lo is not None and lo < MKL_MIN_ROWS and m >= lo
 
 
 def _check(y: torch.Tensor, x: torch.Tensor, lin: WeightOnlyLinear, rows: int | None = None) -> None:
@@ -120,8 +124,7 @@ def test_fallback_equals_kernel(stored):
     for m in (1, 5, 17, 300):
         x = torch.randn(m, 93)
         gemm = fast.bf16_gemm and m >= MKL_MIN_ROWS
-        lo = fast.bf16_x_min_rows
-        if gemm or (lo is not None and lo < MKL_MIN_ROWS and m >= lo):  # the fallback's float32 products of the x the kernel multiplies
+        if gemm or _tiles_round_x(fast, m):  # the fallback's float32 products of the x the kernel multiplies
             xb = x.bfloat16().float()
             w = plain.dequantized(torch.bfloat16).float() if gemm else plain.dequantized()
             want = F.linear(xb, w, plain.bias)

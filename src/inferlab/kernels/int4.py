@@ -29,8 +29,8 @@ from gguf import GGMLQuantizationType as QType
 __all__ = ["GGUF_INT4_TYPES", "GROUP", "INT4", "Int4Weight", "cat_rows", "from_gguf", "pack", "quantize", "unpack"]
 
 GROUP = 32
-# The marker resolve_weight_dtype returns for weight_dtype "int4" (no tensor has this dtype: the
-# codes are uint8, two a byte, and the (d, m) pairs float16).
+# The marker the resolved precision (models/precision.py) holds for weight_dtype "int4" (no
+# tensor has this dtype: the codes are uint8, two a byte, and the (d, m) pairs float16).
 INT4 = torch.uint4
 GGUF_INT4_TYPES = (QType.Q4_0, QType.Q4_1, QType.Q4_K)
 # Narrowings of a group's [min, max] tried by `quantize` (fractions of the range cut from the

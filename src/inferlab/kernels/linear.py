@@ -177,7 +177,7 @@ class WeightOnlyLinear:
         avx512 variant, MKL_MIN_ROWS where only the oneDNN GEMM does."""
         if self.bf16_products:
             return 1
-        if self.row_sums is None and self.scale is not None and self.bf16_gemm and type(self) is WeightOnlyLinear:
+        if self.row_sums is None and self.scale is not None and self.bf16_gemm:
             return INT8_BF16_MIN_ROWS
         return MKL_MIN_ROWS if self.bf16_gemm else None
 
@@ -270,6 +270,12 @@ class Int4Linear(WeightOnlyLinear):
         self.bf16_products = False
         self.bf16_gemm = self.use_kernels and build.kernel_info().bf16_dot
         self.row_sums = None
+
+    @property
+    def bf16_x_min_rows(self) -> int | None:
+        """x is rounded to int8 per 32 below MKL_MIN_ROWS rows (not to bf16); only the oneDNN
+        tiles from there round it to bf16."""
+        return MKL_MIN_ROWS if self.bf16_gemm else None
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.inferlab.linear_w4(x, self.weight, self.scale, self.bias, MKL_MIN_ROWS)
