@@ -25,6 +25,8 @@ from inferlab.models import decoder
 from inferlab.models.precision import resolve_precision
 from inferlab.models.testing import make_tiny_gguf, make_tiny_hf_model
 
+PLAIN = build.KernelInfo("none", (), "plain torch in this test")
+
 needs_kernels = pytest.mark.skipif(not build.available(), reason=f"kernels unavailable: {build.unavailable_reason()}")
 ROWS = [1, 3, 33, 200]
 
@@ -66,7 +68,7 @@ def test_quantize_stores_5_bits_a_weight_and_beats_plain_min_max():
 
 def test_index_select_and_rows_dequantize_the_rows_asked_for():
     w = _weight(40, 64)
-    lin = Int4Linear(w, use_kernels=False)
+    lin = Int4Linear(w, kernel=PLAIN)
     ids = torch.tensor([3, 0, 39, 3])
     assert torch.equal(lin.rows(ids), lin.dequantized()[ids])
 
@@ -115,7 +117,7 @@ def check_kernel_against_reference(m: int, n: int = 37, k: int = 576) -> None:
     """linear_w4 against float64 products of the dequantized weight: below MKL_MIN_ROWS with x
     as the kernels quantize it (then only float32 rounding is left); from there with x (and, on
     the AVX-512 variant, x, weights and output rounded to bf16 by oneDNN)."""
-    lin = Int4Linear(_weight(n, k), torch.randn(n), use_kernels=True)
+    lin = Int4Linear(_weight(n, k), torch.randn(n))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     w = lin.dequantized(torch.float64)
     y = lin(x).double()
@@ -163,7 +165,7 @@ def test_the_avx2_variant_matches_too():
 
 @needs_kernels
 def test_linear_w4_checks_its_inputs():
-    lin = Int4Linear(_weight(8, 64), use_kernels=True)
+    lin = Int4Linear(_weight(8, 64))
     with pytest.raises(RuntimeError, match="features"):
         torch.ops.inferlab.linear_w4(torch.randn(1, 32), lin.weight, lin.scale, None, MKL_MIN_ROWS)
     with pytest.raises(RuntimeError, match="dm must be"):
@@ -175,9 +177,10 @@ def test_linear_w4_checks_its_inputs():
 
 def test_weight_dtype_int4_resolves_to_the_marker_and_make_linear_builds_int4():
     assert resolve_precision(LoadConfig(weight_dtype="int4")).weights == INT4
-    assert isinstance(make_linear(_weight(8, 64), None, INT4, torch.float32), Int4Linear)
+    int4 = resolve_precision(LoadConfig(dtype="float32", weight_dtype="int4"))
+    assert isinstance(make_linear(_weight(8, 64), None, int4), Int4Linear)
     q = quantize(_weight(8, 64))
-    assert make_linear(q, None, INT4, torch.float32).q is q  # an Int4Weight is kept as it is
+    assert make_linear(q, None, int4).q is q  # an Int4Weight is kept as it is
     with pytest.raises(ValueError, match="weight_dtype must be one of .*int4"):
         LoadConfig(weight_dtype="int3")
 
@@ -189,7 +192,6 @@ def tiny(tmp_path_factory):
 
 
 def _generate(path, monkeypatch, use_step: bool, n_prompts: int = 3, kernels: bool = True):
-    monkeypatch.setattr(decoder, "USE_DECODE_STEP", use_step)
     if not kernels:  # as if the kernels had not loaded: the decision and the linears see the same
         none = build.KernelInfo("none", (), "off in this test")
         monkeypatch.setattr(build, "kernel_info", lambda: none)
@@ -203,7 +205,8 @@ def _generate(path, monkeypatch, use_step: bool, n_prompts: int = 3, kernels: bo
         return step
 
     monkeypatch.setattr(decoder.DecoderModel, "_decode_step", spy)
-    llm = LLM(str(path), dtype="float32", weight_dtype="int4", num_kv_blocks=64)
+    llm = LLM(str(path), dtype="float32", weight_dtype="int4", num_kv_blocks=64,
+              decoder_backend="step" if use_step else "fused")
     model = llm.engine.runner.model
     assert isinstance(model.layers[0].qkv, Int4Linear) and isinstance(model.layers[0].down, Int4Linear)
     # the embedding / tied lm_head from float weights: int8 (see DecoderModel's `table`)

@@ -17,7 +17,8 @@ from inferlab.kernels import build
 from inferlab.models import attention
 from inferlab.models.attention import (
     AttentionMetadata,
-    BatchGroup,
+    GatheredDecode,
+    PagedDecode,
     decode_attention_kernel,
     decode_attention_sdpa,
     padded_slots_and_mask,
@@ -216,21 +217,11 @@ def test_paged_attention_kernel_and_fallback_agree():
     new_v = torch.randn(4, 2, 32)
     slot_mapping = torch.tensor([int(tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 for i, n in enumerate(lens)])
     slots, mask = padded_slots_and_mask(tables, 16, ctx.long() - 1, 1, max(lens))
-    sdpa_meta = AttentionMetadata(slot_mapping, 4, BatchGroup(slots=slots, mask=mask), None)
-    kernel_meta = AttentionMetadata(
-        slot_mapping, 4, BatchGroup(block_tables=tables, context_lens=ctx, block_size=16), None
-    )
+    sdpa_meta = AttentionMetadata(slot_mapping, 4, GatheredDecode(slots, mask), None)
+    kernel_meta = AttentionMetadata(slot_mapping, 4, PagedDecode(tables, ctx, 16), None)
     a = paged_attention(q, new_k, new_v, KVCache(kc.clone(), vc.clone()), sdpa_meta, 0.2)
     b = paged_attention(q, new_k, new_v, KVCache(kc.clone(), vc.clone()), kernel_meta, 0.2)
     torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
-
-
-def test_switch_turns_the_kernel_off(monkeypatch):
-    monkeypatch.setattr(attention, "USE_DECODE_KERNEL", False)
-    assert not attention.decode_kernel_enabled(torch.float32)
-    monkeypatch.setattr(attention, "USE_DECODE_KERNEL", True)
-    assert attention.decode_kernel_enabled(torch.float32) == build.available()
-    assert not attention.decode_kernel_enabled(torch.float64)
 
 
 # ---- the engine, kernel on and off ----
@@ -245,18 +236,19 @@ def gqa_model(tmp_path_factory):
 
 
 def _generate(path, monkeypatch, use_kernel):
-    monkeypatch.setattr(attention, "USE_DECODE_KERNEL", use_kernel)
-    monkeypatch.setattr("inferlab.models.decoder.USE_DECODE_STEP", False)  # decode steps through paged_attention
+    """Greedy outputs with the "paged" or the "sdpa" attention backend; decode steps go through
+    paged_attention (the "fused" forward: no whole-step kernel)."""
     seen = []
     real = attention.paged_attention
 
     def spy(q, k, v, cache, meta, scale, **kw):
         if meta.decode is not None:
-            seen.append(meta.decode.slots is None)
+            seen.append(isinstance(meta.decode, PagedDecode))
         return real(q, k, v, cache, meta, scale, **kw)
 
     monkeypatch.setattr("inferlab.models.decoder.paged_attention", spy)
-    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=48, num_kv_blocks=128)
+    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=48, num_kv_blocks=128, decoder_backend="fused",
+              attention_backend="paged" if use_kernel else "sdpa")
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 16, 17, 40, 70)]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
@@ -283,10 +275,9 @@ def test_meta_to_moves_every_tensor_and_keeps_the_rest():
     stay as they were."""
     from dataclasses import fields
 
-    from inferlab.models.attention import AttentionMetadata, BatchGroup, ContinuingChunk, PrefillBatch, meta_to
+    from inferlab.models.attention import AttentionMetadata, ContinuingChunk, PrefillBatch, meta_to
 
-    decode = BatchGroup(block_tables=torch.tensor([[1, 2]], dtype=torch.int32), context_lens=torch.tensor([20]),
-                        block_size=16)
+    decode = PagedDecode(torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([20]), 16)
     prefill = PrefillBatch(continuing=(ContinuingChunk(1, 2, 16),), block_tables=torch.tensor([[0, 3]]),
                            block_size=16, causal_bias=torch.zeros(2, 20))
     meta = AttentionMetadata(torch.tensor([5, 6, 7]), 1, decode, prefill)

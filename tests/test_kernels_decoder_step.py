@@ -24,10 +24,11 @@ def models(tmp_path_factory):
 
 
 def _generate(path, monkeypatch, use_step: bool, weight_dtype: str, n_prompts: int, kv_cache_dtype: str = "auto",
-              expect_step: bool | None = None):
-    """Greedy outputs with the step kernel on or off; asserts whether a DecoderStep really ran
-    (`expect_step`, default: whenever it is on)."""
-    monkeypatch.setattr(decoder, "USE_DECODE_STEP", use_step)
+              expect_step: bool | None = None, **backends):
+    """Greedy outputs on the "step" backend or (`use_step` False) the "fused" one, unless
+    `backends` says otherwise; asserts whether a DecoderStep really ran (`expect_step`, default:
+    whenever it is on)."""
+    backends.setdefault("decoder_backend", "step" if use_step else "fused")
     steps = []
     real = decoder.DecoderModel._decode_step
 
@@ -37,7 +38,8 @@ def _generate(path, monkeypatch, use_step: bool, weight_dtype: str, n_prompts: i
         return step
 
     monkeypatch.setattr(decoder.DecoderModel, "_decode_step", spy)
-    llm = LLM(str(path), dtype="float32", weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype, num_kv_blocks=128)
+    llm = LLM(str(path), dtype="float32", weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype, num_kv_blocks=128,
+              **backends)
     g = torch.Generator().manual_seed(n_prompts)
     prompts = [torch.randint(3, 250, (int(n),), generator=g).tolist()
                for n in torch.randint(2, 40, (n_prompts,), generator=g)]
@@ -119,12 +121,9 @@ def test_decode_step_with_a_float16_cache(models, monkeypatch, arch):
 def test_float16_cache_through_plain_torch_matches_the_kernels(models, monkeypatch):
     """The plain-operator paths (no fused operators, SDPA decode attention) convert to and from a
     float16 cache and give the kernels' tokens."""
-    from inferlab.models import attention
-
     kernels = _generate(models["llama"], monkeypatch, True, "float32", 4, kv_cache_dtype="float16")
-    monkeypatch.setattr(decoder, "USE_FUSED_OPS", False)
-    monkeypatch.setattr(attention, "USE_DECODE_KERNEL", False)
-    plain = _generate(models["llama"], monkeypatch, False, "float32", 4, kv_cache_dtype="float16")
+    plain = _generate(models["llama"], monkeypatch, False, "float32", 4, kv_cache_dtype="float16",
+                      decoder_backend="eager", attention_backend="sdpa")
     assert_same_greedy(kernels, plain, tol=1e-3)
 
 

@@ -16,6 +16,7 @@ from inferlab.models.precision import resolve_precision
 from inferlab.models.testing import make_tiny_hf_model
 
 STORED = [torch.float16, torch.bfloat16, torch.int8]
+PLAIN = build.KernelInfo("none", (), "plain torch in this test")
 # Odd sizes: K not a multiple of 8 (the kernels' vector width) and N not of 4 (their row block).
 SHAPES = [(37, 45), (130, 576)]
 ROWS = list(range(1, 21)) + [512]
@@ -78,7 +79,7 @@ def _check(y: torch.Tensor, x: torch.Tensor, lin: WeightOnlyLinear, rows: int | 
 def test_kernel_matches_dequantized_reference(stored, shape, with_bias):
     n, k = shape
     bias = torch.randn(n) if with_bias else None
-    lin = WeightOnlyLinear(_weight(n, k), stored, bias, use_kernels=True)
+    lin = WeightOnlyLinear(_weight(n, k), stored, bias)
     g = torch.Generator().manual_seed(1)
     for m in ROWS:
         x = torch.randn(m, k, generator=g)
@@ -94,7 +95,7 @@ def test_kernel_matches_dequantized_reference(stored, shape, with_bias):
 
 @needs_kernels
 def test_kernel_takes_any_leading_dims_and_strides():
-    lin = WeightOnlyLinear(_weight(21, 40), torch.float16, torch.randn(21), use_kernels=True)
+    lin = WeightOnlyLinear(_weight(21, 40), torch.float16, torch.randn(21))
     x = torch.randn(40, 2, 3).permute(1, 2, 0)  # [2, 3, 40], not contiguous
     y = lin(x)
     assert y.shape == (2, 3, 21)
@@ -119,8 +120,8 @@ def test_kernel_rejects_mismatched_inputs():
 @pytest.mark.parametrize("stored", STORED, ids=str)
 def test_fallback_equals_kernel(stored):
     w, bias = _weight(67, 93, seed=3), torch.randn(67)
-    fast = WeightOnlyLinear(w, stored, bias, use_kernels=True)
-    plain = WeightOnlyLinear(w, stored, bias, use_kernels=False)
+    fast = WeightOnlyLinear(w, stored, bias)
+    plain = WeightOnlyLinear(w, stored, bias, kernel=PLAIN)
     for m in (1, 5, 17, 300):
         x = torch.randn(m, 93)
         gemm = fast.bf16_gemm and m >= MKL_MIN_ROWS
@@ -140,7 +141,7 @@ def test_fallback_equals_kernel(stored):
 @pytest.mark.parametrize("stored", STORED, ids=str)
 def test_fallback_is_flinear_of_the_dequantized_weight(stored):
     w, bias = _weight(19, 33), torch.randn(19)
-    lin = WeightOnlyLinear(w, stored, bias, use_kernels=False)
+    lin = WeightOnlyLinear(w, stored, bias, kernel=PLAIN)
     x = torch.randn(4, 33)
     assert lin.weight.dtype == stored
     _check(lin(x), x, lin)
@@ -163,7 +164,7 @@ def test_int8_quantization_error_is_bounded():
     assert bool(((deq - w).abs() <= scale[:, None] / 2 * (1 + 1e-5)).all())  # round to nearest: half a step
     assert bool((deq[5] == 0).all())
     # So each output is off by at most sum_k |x_k| * scale_n / 2.
-    lin = WeightOnlyLinear(w, torch.int8, use_kernels=False)
+    lin = WeightOnlyLinear(w, torch.int8, kernel=PLAIN)
     x = torch.randn(8, 200, generator=torch.Generator().manual_seed(2))
     err = (lin(x) - x @ w.T).abs()
     assert bool((err <= x.abs().sum(1, keepdim=True) * scale / 2 * (1 + 1e-4) + 1e-5).all())
@@ -171,7 +172,7 @@ def test_int8_quantization_error_is_bounded():
 
 @pytest.mark.parametrize("stored", STORED, ids=str)
 def test_rows_are_the_dequantized_rows(stored):
-    lin = WeightOnlyLinear(_weight(50, 24), stored, use_kernels=False)
+    lin = WeightOnlyLinear(_weight(50, 24), stored, kernel=PLAIN)
     ids = torch.tensor([3, 0, 49, 3])
     rows = lin.rows(ids)
     assert rows.dtype == torch.float32
@@ -183,9 +184,10 @@ def test_nbytes_and_the_dense_case():
     assert WeightOnlyLinear(w, torch.float16).nbytes == 30 * 16 * 2
     assert WeightOnlyLinear(w, torch.bfloat16, torch.zeros(30)).nbytes == 30 * 16 * 2 + 30 * 4
     assert WeightOnlyLinear(w, torch.int8).nbytes == 30 * 16 + 30 * 4  # codes + scales
-    dense = make_linear(w, None, torch.float32, torch.float32)
+    dense = make_linear(w, None, resolve_precision(LoadConfig(dtype="float32")))
     assert isinstance(dense, DenseLinear) and dense.weight is w and dense.nbytes == 30 * 16 * 4
-    assert isinstance(make_linear(w, None, torch.float16, torch.float32), WeightOnlyLinear)
+    f16 = make_linear(w, None, resolve_precision(LoadConfig(dtype="float32", weight_dtype="float16")))
+    assert isinstance(f16, WeightOnlyLinear) and f16.weight.dtype == torch.float16
 
 
 def test_bad_storage_is_a_value_error():
@@ -315,7 +317,7 @@ def test_bf16_products_are_bf16_x_times_bf16_w_in_float32(m):
     """vdpbf16ps (and oneDNN from MKL_MIN_ROWS): the product of x rounded to bf16, float32 sums;
     against a float32 reference, off by x's rounding only (~2^-9 of each term)."""
     n, k = 96, 600  # K not a multiple of 32: the masked tail
-    lin = WeightOnlyLinear(_weight(n, k), torch.bfloat16, torch.randn(n), use_kernels=True)
+    lin = WeightOnlyLinear(_weight(n, k), torch.bfloat16, torch.randn(n))
     assert lin.bf16_products
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     y = lin(x)
@@ -334,7 +336,7 @@ def test_w8a8_is_int8_x_per_64_values_times_the_codes(m, k):
     """vpdpbusd (weight_dtype w8a8): x quantized per group of 64 values (symmetric, round half
     to even), the integer sums exact, then the scales; against that math in float64."""
     n = 37
-    lin = WeightOnlyLinear(_weight(n, k), torch.int8, torch.randn(n), use_kernels=True, int8_activations=True)
+    lin = WeightOnlyLinear(_weight(n, k), torch.int8, torch.randn(n), int8_activations=True)
     assert lin.row_sums is not None and lin.row_sums.shape == (n, -(-k // 64))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m))
     groups = -(-k // 64)
@@ -346,7 +348,7 @@ def test_w8a8_is_int8_x_per_64_values_times_the_codes(m, k):
     bound = 1e-5 * (xq.double().abs() @ lin.dequantized(torch.float64).abs().T) + 1e-6
     y = lin(x)
     assert bool(((y.double() - want).abs() <= bound).all())
-    plain = WeightOnlyLinear(_weight(n, k), torch.int8, torch.randn(n), use_kernels=True)  # weight-only int8
+    plain = WeightOnlyLinear(_weight(n, k), torch.int8, torch.randn(n))  # weight-only int8
     assert plain.row_sums is None
     assert float((plain(x) - lin(x)).abs().max()) > 1e-6  # the two modes really differ
 
@@ -394,7 +396,7 @@ def test_rows_our_kernels_hand_to_onednn_are_bucketed(dtype):
     per row count: those rows are padded to a bucket too, and the padding changes no row."""
     from inferlab.kernels.linear import MKL_MIN_ROWS, bucket_rows
 
-    lin = WeightOnlyLinear(_weight(40, 64), dtype, torch.randn(40), use_kernels=True)
+    lin = WeightOnlyLinear(_weight(40, 64), dtype, torch.randn(40))
     assert lin.bf16_gemm
     seen: list[int] = []
     real = lin.product

@@ -24,7 +24,6 @@ from inferlab import LLM, SamplingParams
 from inferlab.config import CacheConfig, LoadConfig, ModelConfig
 from inferlab.engine.model_runner import num_kv_blocks
 from inferlab.kernels import build
-from inferlab.models import attention, decoder
 from inferlab.models.attention import decode_attention_kernel, decode_attention_sdpa, gather_kv, padded_slots_and_mask
 from inferlab.models.kv_cache import KVCache, allocate_kv_cache, dequantize_kv, kv_bytes_per_token, quantize_kv
 from inferlab.models.precision import resolve_precision
@@ -200,21 +199,19 @@ def tiny(tmp_path_factory):
                               num_key_value_heads=2, head_dim=64)
 
 
-PATHS = {  # name -> (DecoderStep, fused operators, decode kernel)
-    "step": (True, True, True),
-    "operators": (False, True, True),
-    "plain torch": (False, False, False),
+PATHS = {  # name -> (decoder backend, attention backend), models/backends.py
+    "step": ("step", "paged"),
+    "operators": ("fused", "paged"),
+    "plain torch": ("eager", "sdpa"),
 }
 
 
 def _generate(model, monkeypatch, path: str, prompts, kv_cache_dtype: str = "int8", **llm_kw):
     """Greedy outputs on one path (int8 K/V unless told): (outputs, continuing prefill chunks per step, whether
     a DecoderStep was built)."""
-    step, fused, kernel = PATHS[path]
-    monkeypatch.setattr(decoder, "USE_DECODE_STEP", step)
-    monkeypatch.setattr(decoder, "USE_FUSED_OPS", fused)
-    monkeypatch.setattr(attention, "USE_DECODE_KERNEL", kernel)
-    llm = LLM(str(model), dtype="float32", weight_dtype="float32", kv_cache_dtype=kv_cache_dtype, **llm_kw)
+    forward, attention = PATHS[path]
+    llm = LLM(str(model), dtype="float32", weight_dtype="float32", kv_cache_dtype=kv_cache_dtype,
+              decoder_backend=forward, attention_backend=attention, **llm_kw)
     assert llm.engine.runner.kv_caches[0].quantized == (kv_cache_dtype == "int8")
     seen: list[int] = []
     real_prepare = llm.engine.runner._prepare

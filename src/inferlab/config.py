@@ -54,6 +54,10 @@ class ModelConfig:
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "w8a8", "int4")
 # int8: K and V as int8 codes with one float32 scale per token and KV head (models/kv_cache.py).
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+# Which code runs the forward and decode attention (models/backends.py registers each; "auto"
+# takes the fastest this model and machine run).
+DECODER_BACKENDS = ("auto", "step", "fused", "eager")
+ATTENTION_BACKENDS = ("auto", "paged", "sdpa")
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,8 @@ class LoadConfig:
     device: str = "cpu"
     # Overrides for a dummy model's config: path to a config.json (dummy weights of a real shape).
     hf_config_path: str | None = None
+    decoder_backend: str = "auto"  # DECODER_BACKENDS
+    attention_backend: str = "auto"  # ATTENTION_BACKENDS
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "gguf", "hf", "dummy"):
@@ -79,6 +85,11 @@ class LoadConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, not {self.weight_dtype!r}")
+        if self.decoder_backend not in DECODER_BACKENDS:
+            raise ValueError(f"decoder_backend must be one of {', '.join(DECODER_BACKENDS)}, not {self.decoder_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"not {self.attention_backend!r}")
 
 
 @dataclass(frozen=True)

@@ -149,6 +149,7 @@ def build_draft_proposer(spec: SpeculativeConfig, target: ModelConfig, target_na
     """Load `spec.model` as the draft, in the target's precision (the engine's `precision`), with a KV pool of the target's
     token capacity plus K + 1 per running request (its drafts beyond the target's tokens).
     Refuses a draft whose vocabulary differs from the target's, naming both."""
+    from inferlab.models.backends import select_backends
     from inferlab.models.loader import load_model
     from inferlab.models.registry import resolve_model
 
@@ -164,7 +165,8 @@ def build_draft_proposer(spec: SpeculativeConfig, target: ModelConfig, target_na
     per_request = -(-(spec.num_speculative_tokens + 1) // cache.block_size) + 1
     draft_cache = dataclasses.replace(cache, num_blocks_override=num_blocks + max_num_seqs * per_request,
                                       enable_prefix_caching=False)
-    runner = ModelRunner(cfg, loaded.weights, precision, draft_cache, seed=draft_load.seed)
+    backends = select_backends(precision, cfg, load.decoder_backend, load.attention_backend)  # the target's choice
+    runner = ModelRunner(cfg, loaded.weights, precision, draft_cache, seed=draft_load.seed, backends=backends)
     log.info("draft model %s: %d layers, hidden %d, K = %d", spec.model, cfg.num_layers, cfg.hidden_size,
              spec.num_speculative_tokens)
     return DraftModelProposer(runner, spec.num_speculative_tokens, cfg.max_position_embeddings)

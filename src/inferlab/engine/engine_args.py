@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from inferlab.config import (
+    ATTENTION_BACKENDS,
+    DECODER_BACKENDS,
     KV_CACHE_DTYPES,
     WEIGHT_DTYPES,
     CacheConfig,
@@ -78,6 +80,8 @@ class EngineArgs:
     heap_trim_interval_s: float | None = 5.0
     hf_config_path: str | None = None
     device: str = "cpu"
+    decoder_backend: str = "auto"
+    attention_backend: str = "auto"
     sampling_defaults: str = "model"  # "model": the model's file, else llama.cpp's (GGUF) / OpenAI's; "openai"
     override_generation_config: dict[str, Any] | str | None = None  # JSON or dict over the model's defaults
     # Speculative decoding: a dict or its JSON text, e.g. {"method": "ngram", "num_speculative_tokens": 4}.
@@ -89,7 +93,8 @@ class EngineArgs:
         return EngineConfig(
             load=LoadConfig(model=self.model, load_format=self.load_format, dtype=self.dtype,
                             weight_dtype=self.weight_dtype, seed=self.seed, hf_config_path=self.hf_config_path,
-                            device=self.device),
+                            device=self.device, decoder_backend=self.decoder_backend,
+                            attention_backend=self.attention_backend),
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
                               num_blocks_override=self.num_kv_blocks, enable_prefix_caching=self.enable_prefix_caching,
                               cache_dtype=self.kv_cache_dtype),
@@ -173,6 +178,14 @@ _FLAGS: list[tuple[str, tuple[str, ...], dict[str, Any]]] = [
                "(default 5; a negative value turns it off)")),
     ("hf_config_path", ("--hf-config-path",), dict(default=None, help="a config.json for --load-format dummy")),
     ("device", ("--device",), dict(default=_D.device, help="torch device (default cpu)")),
+    ("decoder_backend", ("--decoder-backend",),
+     dict(default=_D.decoder_backend, choices=DECODER_BACKENDS,
+          help="how the layers run: step (decode steps in one kernel call), fused (fused operators), eager "
+               "(plain torch); auto: the fastest this model and CPU take (the start-up log says which)")),
+    ("attention_backend", ("--attention-backend",),
+     dict(default=_D.attention_backend, choices=ATTENTION_BACKENDS,
+          help="decode attention: paged (our kernel through the block tables) or sdpa (torch); auto: paged "
+               "where it runs")),
     ("sampling_defaults", ("--sampling-defaults",),
      dict(default=_D.sampling_defaults, choices=SAMPLING_DEFAULT_MODES,
           help="what a request that leaves a sampling field out gets: model (the model's generation_config.json "

@@ -35,6 +35,7 @@ from inferlab.engine.request import (
 from inferlab.engine.scheduler import Scheduler
 from inferlab.engine.structured_outputs import GrammarCompiler
 from inferlab.engine.tracing import TraceRecorder
+from inferlab.models.backends import select_backends
 from inferlab.models.loader import load_model
 from inferlab.models.precision import resolve_precision
 from inferlab.models.registry import resolve_model
@@ -71,7 +72,10 @@ class LLMEngine:
         logger.info("sampling defaults: %s", self.sampling_defaults.describe())
 
         logger.info("%s", self.precision.describe(loaded.config))
-        self.runner = ModelRunner(loaded.config, loaded.weights, self.precision, config.cache, seed=load.seed)
+        self.backends = select_backends(self.precision, loaded.config, load.decoder_backend, load.attention_backend)
+        logger.info("%s", self.backends.describe())
+        self.runner = ModelRunner(loaded.config, loaded.weights, self.precision, config.cache, seed=load.seed,
+                                  backends=self.backends)
         del loaded
         self.num_blocks = self.runner.num_blocks
         pool_tokens = self.num_blocks * config.cache.block_size
@@ -173,6 +177,7 @@ class LLMEngine:
                          "bytes_per_token": self.runner.kv_bytes_per_token,
                          "prefix_caching": self.cache_config.enable_prefix_caching},  # fmt: skip
             "kernels": self.precision.kernel.as_dict(),
+            "backends": self.backends.as_dict(),
             "device": str(self.runner.device),
             "sampling_defaults": self.sampling_defaults.as_dict(),
             "model_path": str(self.model_path) if self.model_path is not None else None,

@@ -27,16 +27,17 @@ from inferlab.engine.spec_decode import accept_greedy, position_rows
 from inferlab.models.attention import (
     TILED_FRESH_MAX,
     AttentionMetadata,
-    BatchGroup,
     ContinuingChunk,
     FreshRun,
+    GatheredDecode,
+    PagedDecode,
     PrefillBatch,
     causal_bias_band,
-    decode_kernel_enabled,
     meta_to,
     padded_slots_and_mask,
     prefill_tile,
 )
+from inferlab.models.backends import Backends, select_backends
 from inferlab.models.decoder import DecoderModel
 from inferlab.models.kv_cache import allocate_kv_cache
 from inferlab.models.precision import ResolvedPrecision, dtype_name
@@ -73,12 +74,15 @@ class ModelRunner:
         precision: ResolvedPrecision,
         cache_config: CacheConfig,
         seed: int = 0,
+        backends: Backends | None = None,
     ):
         self.model_config = model_config
         self.precision = precision
+        # Which code runs each step, chosen once (models/backends.py); default: the fastest.
+        self.backends = backends or select_backends(precision, model_config)
         self.device = torch.device(precision.device)
         self.block_size = cache_config.block_size
-        self.model = DecoderModel(model_config, weights, precision)
+        self.model = DecoderModel(model_config, weights, precision, self.backends)
         self.kv_bytes_per_token = precision.kv_bytes_per_token(model_config)
         self.num_blocks = num_kv_blocks(cache_config, self.kv_bytes_per_token)
         self.kv_caches = allocate_kv_cache(
@@ -92,8 +96,7 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens, %s, %d bytes per token, %.0f MiB", self.num_blocks,
                  self.block_size, describe_kv_dtype(precision.kv_cache), self.kv_bytes_per_token,
                  sum(c.nbytes for c in self.kv_caches) / 2**20)
-        # One sampling kernel call per step where the CPU kernels are built (engine/sampler.py).
-        self.sampler = Sampler(seed, fused=self.device.type == "cpu" and precision.kernel.available)
+        self.sampler = Sampler(seed, fused=self.backends.fused_sampler)
         # A draft model's proposer: request id → the [k, V] distributions its drafts were
         # sampled from (None for argmax drafts), for rejection sampling against them.
         self.draft_probs: Callable[[str], torch.Tensor | None] | None = None
@@ -250,8 +253,7 @@ class ModelRunner:
 
         decode_group = None
         if decodes:
-            paged = self.device.type == "cpu" and decode_kernel_enabled(self.precision.kv_cache)
-            decode_group = self._decode_group(decodes, decode_lens, paged)
+            decode_group = self._decode_group(decodes, decode_lens)
         prefill = self._prefill_batch(prefills, nd) if prefills else None
         meta = AttentionMetadata(slot_mapping, nd, decode_group, prefill)
 
@@ -294,18 +296,19 @@ class ModelRunner:
         bias = causal_bias_band(tile, max_context, self.precision.compute) if tiled else None
         return PrefillBatch(tuple(fresh), tuple(continuing), block_tables, bs, tile, bias)
 
-    def _decode_group(self, decodes: list[ScheduledRequest], ctx_lens: list[int], paged: bool) -> BatchGroup:
+    def _decode_group(self, decodes: list[ScheduledRequest], ctx_lens: list[int]) -> PagedDecode | GatheredDecode:
         """The step's decodes, attended in one call: block tables and context lengths for the paged
-        decode kernel (`paged`), else the padded slot table and mask for SDPA. Decode b's one
-        query sits at position ctx_lens[b] - 1 and sees positions 0 .. ctx_lens[b] - 1."""
+        decode kernel (the "paged" attention backend), else the padded slot table and mask for
+        SDPA. Decode b's one query sits at position ctx_lens[b] - 1 and sees positions
+        0 .. ctx_lens[b] - 1."""
         bs = self.block_size
+        paged = self.backends.paged_decode
         tables = padded_block_tables([s.block_ids[: -(-n // bs)] for s, n in zip(decodes, ctx_lens)],
                                      torch.int32 if paged else torch.long)
         if paged:
-            return BatchGroup(block_tables=tables, context_lens=torch.tensor(ctx_lens, dtype=torch.int32), block_size=bs)
+            return PagedDecode(tables, torch.tensor(ctx_lens, dtype=torch.int32), bs)
         starts = torch.tensor(ctx_lens, dtype=torch.long) - 1
-        slots, mask = padded_slots_and_mask(tables, bs, starts, 1, max(ctx_lens))
-        return BatchGroup(slots=slots, mask=mask)
+        return GatheredDecode(*padded_slots_and_mask(tables, bs, starts, 1, max(ctx_lens)))
 
 
 def describe_kv_dtype(dtype: torch.dtype) -> str:

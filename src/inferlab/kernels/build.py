@@ -180,6 +180,23 @@ def build_lock(build_dir: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def _venv_bin_on_path() -> Iterator[None]:
+    """torch runs `ninja` by name, and the one our venv installs sits beside its python: PATH has
+    that directory during the build only (the process's environment is left as it was)."""
+    before = os.environ.get("PATH")
+    bindir = str(Path(sys.executable).parent)
+    if bindir not in (before or "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + (before or "")
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before
+
+
 def _build(variant: str, flags: tuple[str, ...], why: str) -> KernelInfo:
     """Compile (or find compiled) and load one variant; a KernelInfo of "none" with the reason
     when that fails."""
@@ -194,13 +211,9 @@ def _build(variant: str, flags: tuple[str, ...], why: str) -> KernelInfo:
     try:
         from torch.utils.cpp_extension import load as cpp_load
 
-        # torch calls `ninja` by name: the one our venv installs sits beside its python.
-        bindir = str(Path(sys.executable).parent)
-        if bindir not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
         log.info("loading inferlab CPU kernels, %s variant (first use compiles them, ~35 s on 2 cores) from %s",
                  variant, build_dir)
-        with build_lock(build_dir):
+        with build_lock(build_dir), _venv_bin_on_path():
             cpp_load(name=f"inferlab_kernels_{variant}", sources=[str(s) for s in sources], extra_cflags=cflags,
                      extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False,
                      verbose=False)

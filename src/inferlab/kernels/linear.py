@@ -6,24 +6,30 @@ bytes) or int8 with one float32 scale per output row (a quarter), and multiplies
 activations' dtype (float32 on a CPU without fast 16-bit arithmetic; on AVX512-BF16 the
 kernels multiply bf16 weights in bf16 with float32 sums, see `bf16_products`). Our C++ kernels
 (csrc/linear.cpp) convert the weights in registers, so they are read from memory once per call;
-without the kernels (`build.available()` False, or activations not float32 on the CPU) the same
-math runs in plain torch: dequantize, then `F.linear`.
+without the kernels (the engine's `KernelInfo` says none loaded, or activations are not float32
+on the CPU) the same math runs in plain torch: dequantize, then `F.linear`.
 
 `Int4Linear` (a WeightOnlyLinear) stores 4-bit group-wise weights (kernels/int4.py's format)
 and multiplies them with integer dot products on x quantized per group of 32 (csrc/q4.h).
 
 `DenseLinear` is the other implementation of the same small interface (`__call__`, `rows`,
 `nbytes`): the weight in the compute dtype and `F.linear`, exactly as before weight-only storage.
-`make_linear` picks one of the two.
+`make_linear` picks one from the engine's `ResolvedPrecision` (models/precision.py): what the
+weights are stored and computed in and which kernels this process has are decided there, once.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from inferlab.kernels import build
 from inferlab.kernels.int4 import INT4, Int4Weight, quantize
+
+if TYPE_CHECKING:
+    from inferlab.models.precision import ResolvedPrecision
 
 __all__ = ["DenseLinear", "Int4Linear", "WeightOnlyLinear", "bucket_rows", "linear", "make_linear", "quantize_int8"]
 
@@ -119,8 +125,9 @@ class WeightOnlyLinear:
     """y = x @ W^T (+ bias), W stored as float16, bfloat16 or int8 (+ per-row scales).
 
     Built from a weight in any float dtype; `compute_dtype` is what `rows()` returns. Calls with
-    float32 activations on the CPU take our kernels when they loaded (`use_kernels` None = ask
-    `build.available()`); anything else takes the fallback, the same math in plain torch.
+    float32 activations on the CPU take our kernels where `kernel` (the engine's; None: this
+    process's, `build.kernel_info()`) has them; anything else takes the fallback, the same math
+    in plain torch.
     """
 
     def __init__(
@@ -129,7 +136,7 @@ class WeightOnlyLinear:
         stored_dtype: torch.dtype,
         bias: torch.Tensor | None = None,
         compute_dtype: torch.dtype = torch.float32,
-        use_kernels: bool | None = None,
+        kernel: build.KernelInfo | None = None,
         int8_activations: bool = False,
     ):
         if weight.dim() != 2:
@@ -151,23 +158,22 @@ class WeightOnlyLinear:
             self.weight = weight.to(stored_dtype).contiguous()
         # Kept in float32, as the kernels take it; the fallback casts it to the activations' dtype.
         self.bias = bias.float().contiguous() if bias is not None else None
-        self.use_kernels = build.available() if use_kernels is None else use_kernels
+        kernel = build.kernel_info() if kernel is None else kernel
+        self.use_kernels = kernel.available
         # The AVX-512 variant multiplies bf16 weights in bf16 (vdpbf16ps; oneDNN from
         # MKL_MIN_ROWS rows, its output rounded to bf16 too): x is rounded to bf16 first, the
         # sums stay float32. Elsewhere the products are float32's.
-        self.bf16_products = (self.use_kernels and stored_dtype == torch.bfloat16
-                              and build.kernel_info().bf16_dot)
+        self.bf16_products = stored_dtype == torch.bfloat16 and kernel.bf16_dot
         # From MKL_MIN_ROWS rows on, bf16 and int8 weights (the latter as bf16 codes x scales)
         # go to oneDNN's bf16 GEMM there: x and the output rounded to bf16.
-        self.bf16_gemm = (self.use_kernels and stored_dtype in (torch.bfloat16, torch.int8)
-                          and build.kernel_info().bf16_dot)
+        self.bf16_gemm = stored_dtype in (torch.bfloat16, torch.int8) and kernel.bf16_dot
         # int8 on VNNI (vpdpbusd): below MKL_MIN_ROWS rows, x is quantized to int8 per group of
         # INT8_GROUP values (symmetric) and the integer dot product runs on the stored codes;
         # -128 x the weight's group sums, computed here once, undo vpdpbusd's unsigned offset.
         self.row_sums: torch.Tensor | None = None
         if int8_activations and stored_dtype != torch.int8:
             raise ValueError("int8_activations needs int8 weights")
-        if int8_activations and self.use_kernels and build.kernel_info().int8_dot:
+        if int8_activations and kernel.int8_dot:
             self.row_sums = int8_group_corrections(self.weight)
 
     @property
@@ -260,15 +266,16 @@ class Int4Linear(WeightOnlyLinear):
         weight: torch.Tensor | Int4Weight,
         bias: torch.Tensor | None = None,
         compute_dtype: torch.dtype = torch.float32,
-        use_kernels: bool | None = None,
+        kernel: build.KernelInfo | None = None,
     ):
         self.q = weight if isinstance(weight, Int4Weight) else quantize(weight)
         self.compute_dtype = compute_dtype
         self.weight, self.scale = self.q.codes, self.q.dm
         self.bias = bias.float().contiguous() if bias is not None else None
-        self.use_kernels = build.available() if use_kernels is None else use_kernels
+        kernel = build.kernel_info() if kernel is None else kernel
+        self.use_kernels = kernel.available
         self.bf16_products = False
-        self.bf16_gemm = self.use_kernels and build.kernel_info().bf16_dot
+        self.bf16_gemm = kernel.bf16_dot
         self.row_sums = None
 
     @property
@@ -290,14 +297,18 @@ class Int4Linear(WeightOnlyLinear):
 def make_linear(
     weight: torch.Tensor | Int4Weight,
     bias: torch.Tensor | None,
-    stored_dtype: torch.dtype,
-    compute_dtype: torch.dtype,
-    int8_activations: bool = False,
+    precision: ResolvedPrecision,
+    stored_dtype: torch.dtype | None = None,
 ) -> DenseLinear | WeightOnlyLinear:
-    """DenseLinear when the weight is stored in the compute dtype, Int4Linear for int4.INT4 (from
-    float weights or an Int4Weight), else WeightOnlyLinear."""
+    """The layer `precision` asks for: DenseLinear when the weight is stored in the compute dtype,
+    Int4Linear for int4.INT4 (from float weights or an Int4Weight), else WeightOnlyLinear.
+    `stored_dtype`: another storage than `precision.weights`, weight-only (float x): an int4
+    model's int8 embedding table."""
+    compute_dtype, kernel = precision.compute, precision.kernel
+    int8_activations = precision.int8_activations and stored_dtype is None
+    stored_dtype = precision.weights if stored_dtype is None else stored_dtype
     if stored_dtype == INT4:
-        return Int4Linear(weight, bias, compute_dtype)
+        return Int4Linear(weight, bias, compute_dtype, kernel)
     if isinstance(weight, Int4Weight):
         weight = weight.dequantize(compute_dtype)
     if stored_dtype == compute_dtype:
@@ -307,7 +318,7 @@ def make_linear(
             f"weights stored as {stored_dtype} with compute in {compute_dtype}: weight-only storage "
             "is float16, bfloat16, int8 or int4"
         )
-    return WeightOnlyLinear(weight, stored_dtype, bias, compute_dtype, int8_activations=int8_activations)
+    return WeightOnlyLinear(weight, stored_dtype, bias, compute_dtype, kernel, int8_activations)
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:

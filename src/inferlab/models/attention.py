@@ -19,10 +19,11 @@ The flat batch is ordered decodes first, then prefill chunks (the model runner s
              |<- one token each ->|<- one or more requests with several tokens ->|
 
 Decodes go to our paged-attention kernel (`torch.ops.inferlab.paged_attention_decode`, see
-kernels/csrc/attention.cpp) when it is built: it reads K/V straight from the blocks through the
-block tables. Otherwise (INFERLAB_KERNELS=0, no compiler, another cache dtype, not on the
-CPU) they are one batched SDPA call over contexts gathered out of the cache and padded, with a
-mask; the results agree to float32 rounding.
+kernels/csrc/attention.cpp; the metadata is a `PagedDecode`) where the engine chose the "paged"
+attention backend (models/backends.py: the kernels loaded, a cache dtype it reads, the CPU): it
+reads K/V straight from the blocks through the block tables. Otherwise (a `GatheredDecode`) they
+are one batched SDPA call over contexts gathered out of the cache and padded, with a mask; the
+results agree to float32 rounding.
 
 Prefill chunks are attended chunk by chunk, never padded to each other:
 
@@ -45,12 +46,8 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 
-from inferlab.kernels import build
 from inferlab.models.kv_cache import KVCache, dequantize_kv, write_kv
 
-# Tests set this to False to run the SDPA fallback while the kernels are built.
-USE_DECODE_KERNEL = True
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8)  # int8: codes + scales
 # Queries per SDPA call for prefill on the CPU. Measured on SmolLM2's shapes (9 heads over 3 KV
 # heads of 64, 2 threads): 64 is the best or near it for 256-token prompts and continued chunks.
 CPU_PREFILL_TILE = 64
@@ -61,21 +58,22 @@ TILED_FRESH_MAX = 512
 
 
 @dataclass
-class BatchGroup:
-    """Decodes attended together in one call.
+class PagedDecode:
+    """Decodes attended in one call of our paged-attention kernel (the "paged" backend): it reads
+    K/V through the block tables, so nothing is gathered or masked per step."""
 
-    For SDPA: `slots` and `mask`, padded to the longest context. For the decode kernel:
-    `block_tables`, `context_lens` and `block_size` instead (slots and mask stay None; building
-    them is per-step work the kernel does not need).
-    """
+    block_tables: torch.Tensor  # [B, max_blocks] int32: each request's blocks in order, zero-padded
+    context_lens: torch.Tensor  # [B] int32: each context's length, the new token included
+    block_size: int  # tokens per block
 
-    slots: torch.Tensor | None = None  # [B, L] long: cache slots of each request's context positions 0..L-1 (padded)
-    mask: torch.Tensor | None = None  # [B, 1, Q, L] bool: True = attend (causal within the context, padding off)
-    # Decode kernel only: each request's blocks in order, zero-padded, [B, max_blocks] int32;
-    # its context length (the new token included), [B] int32; tokens per block.
-    block_tables: torch.Tensor | None = None
-    context_lens: torch.Tensor | None = None
-    block_size: int = 0
+
+@dataclass
+class GatheredDecode:
+    """Decodes attended in one SDPA call (the "sdpa" backend) over contexts gathered from the
+    cache and padded to the longest."""
+
+    slots: torch.Tensor  # [B, L] long: cache slots of each request's context positions 0..L-1 (padded)
+    mask: torch.Tensor  # [B, 1, Q, L] bool: True = attend (causal within the context, padding off)
 
 
 @dataclass(frozen=True)
@@ -132,14 +130,14 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] long: where each new token's K/V is written
     num_decode_tokens: int  # the first num_decode_tokens tokens are single-token requests
-    decode: BatchGroup | None
+    decode: PagedDecode | GatheredDecode | None
     prefill: PrefillBatch | None
 
 
 def meta_to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
     """The same metadata with its tensors on `device` (the runner builds it on the host)."""
 
-    def move(g: BatchGroup | PrefillBatch | None) -> BatchGroup | PrefillBatch | None:
+    def move(g: PagedDecode | GatheredDecode | PrefillBatch | None) -> PagedDecode | GatheredDecode | PrefillBatch | None:
         if g is None:
             return None
         return replace(g, **{f.name: getattr(g, f.name).to(device, non_blocking=True) for f in fields(g)
@@ -162,12 +160,6 @@ def causal_bias_band(tile: int, max_context: int, dtype: torch.dtype) -> torch.T
     c = torch.arange(max_context + tile).view(1, -1)
     i = torch.arange(tile).view(-1, 1)
     return torch.zeros(tile, max_context + tile, dtype=dtype).masked_fill_(c - i > max_context, float("-inf"))
-
-
-def decode_kernel_enabled(dtype: torch.dtype) -> bool:
-    """Whether decodes over a cache of this dtype go to the paged-attention kernel (the model
-    runner asks once per step, and then builds block tables instead of slots and a mask)."""
-    return USE_DECODE_KERNEL and dtype in KERNEL_DTYPES and build.available()
 
 
 def padded_slots_and_mask(
@@ -227,7 +219,7 @@ def decode_attention_kernel(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, H, D] -> [B, H, D], K/V read through the block tables; needs `build.available()`.
+    """q [B, H, D] -> [B, H, D], K/V read through the block tables; needs our kernels.
     With k_scale / v_scale the caches are int8 codes, dequantized in registers."""
     return torch.ops.inferlab.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, block_size, scale,
                                                      k_scale, v_scale)
@@ -377,12 +369,10 @@ def paged_attention(
     decoded = None
     if meta.decode is not None:
         g = meta.decode
-        if g.slots is None:  # the runner built block tables: decode_kernel_enabled() said yes
-            assert g.block_tables is not None and g.context_lens is not None
+        if isinstance(g, PagedDecode):
             decoded = decode_attention_kernel(q[:nd], c.k, c.v, g.block_tables, g.context_lens, g.block_size, scale,
                                               c.k_scale, c.v_scale)
         else:
-            assert g.mask is not None
             decoded = decode_attention_sdpa(q[:nd], c.k, c.v, g.slots, g.mask, scale, c.k_scale, c.v_scale)
         if nd == t:  # all decodes (most steps): no copy into a shared output
             return decoded.reshape(t, h * d)

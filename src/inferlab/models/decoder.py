@@ -19,20 +19,15 @@ import torch.nn.functional as F
 from inferlab.config import ModelConfig
 from inferlab.kernels.int4 import INT4, Int4Weight, cat_rows, quantize
 from inferlab.kernels.linear import MKL_MIN_ROWS, DenseLinear, Int4Linear, WeightOnlyLinear, make_linear
-from inferlab.models.attention import AttentionMetadata, paged_attention
-from inferlab.models.kv_cache import KVCache
+from inferlab.models.attention import AttentionMetadata, PagedDecode, paged_attention
+from inferlab.models.backends import Backends, select_backends
+from inferlab.models.kv_cache import KVCache, write_kv
 from inferlab.models.precision import ResolvedPrecision, dtype_name
 from inferlab.models.rope import apply_rope, rope_cache
 
 log = logging.getLogger(__name__)
 
-# Tests set these to False to run the per-operator (or plain-operator) forward while the kernels
-# are built.
-USE_FUSED_OPS = True
-USE_DECODE_STEP = True
-
 Linear = DenseLinear | WeightOnlyLinear
-STEP_CACHE_DTYPES = (torch.float32, torch.float16, torch.int8)  # the K/V caches DecoderStep reads and writes
 
 
 @dataclass
@@ -55,14 +50,18 @@ class DecoderModel:
     (activations, norms; the K/V cache's is the runner's). `precision.weights` is how the linear
     layers' weights (and the embedding table) are stored: the compute dtype keeps them as they
     are (F.linear); float16 / bfloat16 / torch.int8 / int4 store them in fewer bytes, multiplied
-    by kernels/linear.py's WeightOnlyLinear.
+    by kernels/linear.py's WeightOnlyLinear. `backends` (models/backends.py, default: the fastest)
+    says which code runs each step: the whole-step decode kernel, the fused operators or plain
+    torch operators.
     """
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], precision: ResolvedPrecision):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], precision: ResolvedPrecision,
+                 backends: Backends | None = None):
         # The kernels were decided and compiled when `precision` was resolved, at load, whatever
         # the dtype: before the server answers /health, so no request waits for a compile (~35-70 s).
         self.config = config
         self.precision = precision
+        self.backends = backends or select_backends(precision, config)
         dtype = precision.compute
         self.int8_activations = precision.int8_activations  # x quantized per 64 values for vpdpbusd (kernels/linear.py)
         self.dtype = dtype
@@ -87,7 +86,7 @@ class DecoderModel:
             return torch.cat(parts)  # type: ignore[arg-type]
 
         def linear(weight: torch.Tensor | Int4Weight, bias: torch.Tensor | None = None) -> Linear:
-            return make_linear(weight, bias, self.weight_dtype, dtype, int8_activations=self.int8_activations)
+            return make_linear(weight, bias, precision)
 
         def table(weight: torch.Tensor | Int4Weight) -> Linear:
             """The embedding / lm_head. With int4 it stays int8 weight-only (per-row scales,
@@ -100,7 +99,7 @@ class DecoderModel:
             96), KLD was 0.0057 with x per 64 in int8 (vpdpbusd), 0.0036 with float32 x, 0.0020
             with a bf16 table (28 MB more a step), against llama.cpp's own 0.0031."""
             if self.weight_dtype == INT4 and not isinstance(weight, Int4Weight):
-                return make_linear(weight, None, torch.int8, dtype)
+                return make_linear(weight, None, precision, torch.int8)
             return linear(weight)
 
         # The embedding table is stored like the lm_head: a lookup dequantizes only the T rows it
@@ -137,11 +136,9 @@ class DecoderModel:
         self.cos, self.sin = (t.to(device) for t in rope_cache(
             c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings, dtype
         ))
-        # Our kernels take float32 activations on the CPU. The fused layer (kernels/csrc/fused.cpp)
-        # rotates q and k straight after the qkv product, which a per-head q/k norm (Qwen3) would
-        # have to precede; the whole-step decode kernel (decoder_step.cpp) applies that norm itself.
-        self.step_ok = precision.uses_kernels
-        self.fused_ok = self.step_ok and not c.qk_norm
+        # False once DecoderStep has refused this model (see _decode_step): the backends' choice
+        # holds, but such a model's decode steps run per operator.
+        self.step_ok = self.backends.decode_step
         # One precision decision for the whole model: where the linears multiply bf16 weights in
         # bf16 (the avx512 variant), prefill attention does too (models/attention.py).
         self.bf16_products = precision.bf16_products
@@ -206,11 +203,15 @@ class DecoderModel:
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """Hidden states after the final norm, [T, hidden]."""
+        """Hidden states after the final norm, [T, hidden].
+
+        One layer loop for the fused operators (~9 per layer instead of ~25: at one decode token
+        the dispatch of each eager operator costs more than its arithmetic) and for plain torch
+        (the definition): they differ in three places. The residual stream x is updated in place:
+        each layer's output is added by the next norm."""
         g = meta.decode
         t = input_ids.shape[0]
-        if (USE_DECODE_STEP and self.step_ok and meta.num_decode_tokens == t and t < MKL_MIN_ROWS
-                and g is not None and g.block_tables is not None and kv_caches[0].dtype in STEP_CACHE_DTYPES):
+        if self.step_ok and meta.num_decode_tokens == t and t < MKL_MIN_ROWS and isinstance(g, PagedDecode):
             # A decode-only step (most steps): every layer in one kernel call. From MKL_MIN_ROWS
             # rows on, the per-operator path's GEMMs are faster than the decode micro-kernel.
             step = self._decode_step(kv_caches, g.block_size)
@@ -218,71 +219,54 @@ class DecoderModel:
                 x = self.embed.rows(input_ids).contiguous()  # a fresh tensor: the step updates it in place
                 with torch.profiler.record_function("inferlab::decoder_step"):  # a custom class is no op to the profiler
                     return step.forward(x, positions, meta.slot_mapping, g.block_tables, g.context_lens)
-        if USE_FUSED_OPS and self.fused_ok:
-            return self._forward_fused(input_ids, positions, kv_caches, meta)
         c = self.config
-        x = self.embed.rows(input_ids)
-        cos = self.cos.index_select(0, positions).unsqueeze(1)
-        sin = self.sin.index_select(0, positions).unsqueeze(1)
-        for layer, cache in zip(self.layers, kv_caches):
-            h = self._norm(x, layer.input_norm)
-            qkv = layer.qkv(h)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.reshape(t, c.num_heads, c.head_dim)
-            k = k.reshape(t, c.num_kv_heads, c.head_dim)
-            v = v.reshape(t, c.num_kv_heads, c.head_dim)
-            if layer.q_norm is not None:
-                q = self._norm(q, layer.q_norm)
-                k = self._norm(k, layer.k_norm)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
-            attn = paged_attention(q, k, v, cache, meta, self.scale, bf16_products=self.bf16_products)
-            x = x + layer.o(attn)
-            h = self._norm(x, layer.post_norm)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
-        return self._norm(x, self.final_norm)
-
-    def _forward_fused(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[KVCache],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """`forward` with ~9 operators per layer instead of ~25: at one decode token the
-        dispatch of each eager operator costs more than its arithmetic. The residual stream x
-        is updated in place: each layer's output is added by the next norm (add_rms_norm_)."""
-        c = self.config
+        fused = self.backends.fused_layers
         ops = torch.ops.inferlab
-        eps = c.rms_norm_eps
-        t = input_ids.shape[0]
-        x = self.embed.rows(input_ids).contiguous()  # a fresh tensor: safe to update in place
-        delta: torch.Tensor | None = None
-        # A prefill-sized step with bf16 products: the products' bf16 outputs are passed on as
-        # they are (the norm adds them to x, silu_mul takes gate_up's) and the norms round their
+        # A prefill-sized fused step with bf16 products: the products' bf16 outputs are passed on
+        # as they are (the norm adds them to x, silu_mul takes gate_up's) and the norms round their
         # output to bf16 once for the next product: the same roundings as through float32
         # (bitwise), without the conversions (kernels/linear.py product_bf16).
-        bf16 = self.bf16_products and t >= MKL_MIN_ROWS
-        for layer, cache in zip(self.layers, kv_caches):
+        bf16 = fused and self.bf16_products and t >= MKL_MIN_ROWS
+
+        def add_norm(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, round_bf16: bool) -> torch.Tensor:
             if delta is None:
-                h = self._norm(x, layer.input_norm)
-            else:
-                h = ops.add_rms_norm_(x, delta, layer.input_norm, eps, bf16)
+                return self._norm(x, w)
+            if fused:
+                return ops.add_rms_norm_(x, delta, w, c.rms_norm_eps, round_bf16)
+            return self._norm(x.add_(delta), w)
+
+        def product(lin: Linear, h: torch.Tensor) -> torch.Tensor:
+            return lin.product_bf16(h) if bf16 else lin(h)
+
+        x = self.embed.rows(input_ids).contiguous()  # a fresh tensor: safe to update in place
+        if not fused:
+            cos = self.cos.index_select(0, positions).unsqueeze(1)
+            sin = self.sin.index_select(0, positions).unsqueeze(1)
+        delta: torch.Tensor | None = None
+        for layer, cache in zip(self.layers, kv_caches):
+            h = add_norm(x, delta, layer.input_norm, bf16)
             qkv = layer.qkv.product_bf16(h, torch.float32) if bf16 else layer.qkv(h)
-            q, k = ops.rope_write_kv(qkv, positions, self.cos, self.sin, cache.k, cache.v, meta.slot_mapping,
-                                     c.num_heads, c.num_kv_heads, c.head_dim, cache.k_scale, cache.v_scale)
             v = qkv[:, self.q_size + self.kv_size :].view(t, c.num_kv_heads, c.head_dim)  # fresh prompts read it
-            attn = paged_attention(q, k, v, cache, meta, self.scale, kv_written=True, bf16_products=self.bf16_products)
-            if bf16:
-                h = ops.add_rms_norm_(x, layer.o.product_bf16(attn), layer.post_norm, eps, True)
-                delta = layer.down.product_bf16(ops.silu_mul(layer.gate_up.product_bf16(h)))
+            if fused:  # rotate q and k, write k and v into the cache: one operator
+                q, k = ops.rope_write_kv(qkv, positions, self.cos, self.sin, cache.k, cache.v, meta.slot_mapping,
+                                         c.num_heads, c.num_kv_heads, c.head_dim, cache.k_scale, cache.v_scale)
             else:
-                h = ops.add_rms_norm_(x, layer.o(attn), layer.post_norm, eps)
-                delta = layer.down(ops.silu_mul(layer.gate_up(h)))
-        if delta is None:  # pragma: no cover - a model has layers
-            return self._norm(x, self.final_norm)
-        return ops.add_rms_norm_(x, delta, self.final_norm, eps)
+                q = qkv[:, : self.q_size].reshape(t, c.num_heads, c.head_dim)
+                k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(t, c.num_kv_heads, c.head_dim)
+                if layer.q_norm is not None:
+                    q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+                write_kv(cache, meta.slot_mapping, k, v)
+            attn = paged_attention(q, k, v, cache, meta, self.scale, kv_written=True, bf16_products=self.bf16_products)
+            h = add_norm(x, product(layer.o, attn), layer.post_norm, bf16)
+            gate_up = product(layer.gate_up, h)
+            if fused:
+                act = ops.silu_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            delta = product(layer.down, act)
+        return add_norm(x, delta, self.final_norm, False)
 
     def _decode_step(self, kv_caches: list[KVCache], block_size: int):
         """The DecoderStep over these caches, built once (it holds references to the weights and
