@@ -99,7 +99,7 @@ def test_padded_slots_and_mask_layout():
 
 @needs_kernels
 @pytest.mark.parametrize("head_dim", [64, 128, 80, 20])
-@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 7])
 @pytest.mark.parametrize("lens", [LENS_ONE, LENS_33], ids=["batch5", "batch33"])
 def test_kernel_matches_sdpa(head_dim, group, lens):
     kv_heads = 2
