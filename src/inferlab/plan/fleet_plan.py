@@ -101,7 +101,7 @@ class FleetPlan:
                 continue
             out.append(f"- **{key}: {row['deployment']}** = {row['replicas']} GPUs, ${row['usd_per_hour']:.2f}/hour "
                        f"(computed); simulated: {row['slo_attainment']:.1%} of requests in SLO, so a goodput of "
-                       f"{row['slo_attainment'] * s.request_rate:.2f} of the {s.request_rate:g} requests/s offered; "
+                       f"{row['request_goodput']:.2f} of the {s.request_rate:g} requests/s offered; "
                        f"TTFT p99 {row['p99_ttft_ms']:.0f} ms, ITL p99 {row['p99_itl_ms']:.1f} ms, "
                        f"TPOT p99 {row['p99_tpot_ms']:.1f} ms")
         out += ["", "## Computed (closed form)", "", "| figure | value | kind | how |", "|---|---|---|---|"]
@@ -110,10 +110,10 @@ class FleetPlan:
             out.append(f"| {f.title} | {format_value(f.value, f.unit)} | {f.kind} | {how} |")
         out += ["", "## Simulated (the engine's scheduler per replica, roofline step cost)", ""]
         out += render_comparison(self.rows, markdown=True)
-        out += ["", "Every row above is simulated except $/hour (GPUs × price, computed). The goodput column is "
-                "`inferlab bench`'s: requests meeting the SLO per second of the run, first send to last answer, so the "
-                "ramp and drain of a finite run pull it below the offered rate; the recommendation quotes "
-                "in-SLO share × offered rate instead.", ""]
+        out += ["", "Every row is simulated except $/hour (GPUs × price, computed). goodput = share of requests in "
+                f"SLO × the {s.request_rate:g} requests/s offered, and $/1k good req = $/hour over it; req/s is "
+                "`inferlab bench`'s completed requests per second of the run (first send to last answer), which the "
+                "ramp and drain of a finite run pull below the offered rate.", ""]
         out += ["## Assumptions", ""] + [f"- {n}" for n in self.notes] + [""]
         return "\n".join(out)
 
@@ -195,6 +195,11 @@ def plan_fleet(spec: FleetSpec, log=lambda s: None) -> FleetPlan:
         res: FleetSimResult = simulate_fleet(wl, sched, cache, num_blocks, cost,
                                              replicas=n, policy="least-load", disaggregation=dis)  # fmt: skip
         row = comparison_row(res, spec.slo, spec.usd_per_hour)
+        # Goodput at the offered rate: a finite run's good requests / its length (the bench's
+        # figure) is pulled down by its ramp and drain, which a service running all day has not.
+        row["request_goodput"] = row["slo_attainment"] * spec.request_rate
+        good_per_hour = row["request_goodput"] * 3600.0
+        row["usd_per_1k_good_requests"] = row["usd_per_hour"] / good_per_hour * 1000.0 if good_per_hour else None
         rows.append(row)
         log(f"simulated {row['deployment']}: {row['slo_attainment']:.1%} in SLO")
         return row
