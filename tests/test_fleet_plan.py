@@ -82,3 +82,32 @@ def test_the_seed001_fleet_plan_regenerates_with_one_command(tmp_path):
     assert "8,192-token prompts, 256-token replies" in text and "10 requests/s" in text
     assert "147 tokens/s" in text and "$3.00 assumed" in text
     assert "**colocated:" in text and "**disaggregated:" in text
+
+
+def test_inferlab_plan_fleet_prints_and_writes_the_plan(tmp_path, capsys):
+    from inferlab.cli import main
+
+    md = tmp_path / "plan.md"
+    argv = ["plan", "--model", "llama-3.1-8b", "--hardware", "h100", "--input-len", "2048", "--output-len", "32",
+            "--fleet", "--request-rate", "20", "--goodput", "ttft:400", "tpot:40", "--usd-per-hour", "2",
+            "--fleet-prompts", "40", "--memory-efficiency", "0.7", "--compute-efficiency", "0.5",
+            "--markdown-out", str(md)]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "**colocated:" in out and "**disaggregated:" in out and "$2 per GPU-hour" in out
+    assert md.read_text() == out.rstrip("\n") or md.read_text() in out
+
+
+@pytest.mark.parametrize("drop, message", [("--request-rate", "--request-rate"), ("--goodput", "SLO"),
+                                           ("--usd-per-hour", "--usd-per-hour")])  # fmt: skip
+def test_inferlab_plan_fleet_bad_input_is_one_line(capsys, drop, message):
+    from inferlab.cli import main
+
+    args = {"--request-rate": ["5"], "--goodput": ["ttft:400"], "--usd-per-hour": ["2"]}
+    argv = ["plan", "--model", "llama-3.1-8b", "--hardware", "h100", "--fleet"]
+    for k, v in args.items():
+        if k != drop:
+            argv += [k, *v]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -139,8 +139,9 @@ class Scheduler:
             )
         if len(self.running) >= self.config.max_num_seqs:
             return False
-        request.num_computed_tokens = 0
+        before, request.num_computed_tokens = request.num_computed_tokens, 0
         if self.kv_cache_manager.allocate_slots(request, num_computed_tokens) is None:
+            request.num_computed_tokens = before
             return False
         request.num_computed_tokens = num_computed_tokens
         request.num_cached_tokens = 0

@@ -179,7 +179,7 @@ def plan_fleet(spec: FleetSpec, log=lambda s: None) -> FleetPlan:
         [f"({p_pool} + {d_pool}) × ${spec.usd_per_hour:g}"], "disaggregated $/hour")
 
     # ---- simulated: step from the computed sizes to the fewest GPUs that meet the SLO.
-    num_blocks = int(base.value("kv_memory_available") // (spec.block_size * rf.kv_bytes_per_token))
+    num_blocks = int((base.value("kv_memory_available") or 0.0) // (spec.block_size * rf.kv_bytes_per_token))
     sched = SchedulerConfig(max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
                             max_model_len=spec.input_len + spec.output_len)
     wl = SimWorkload(spec.num_prompts, spec.input_len, spec.output_len, request_rate=spec.request_rate,

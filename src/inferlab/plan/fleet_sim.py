@@ -379,10 +379,11 @@ def simulate_fleet(
             if r.role == "prefill":
                 prefill_preemptions[out.request_id] = out.num_preemptions
                 if out.finish_reason is not None:  # the first token: its K/V goes over the link
+                    assert dis is not None
                     fleet.finish(ticket, "ok")
                     start = max(clock.now, r.link_free)
-                    r.link_free = start + dis.link.busy_time(dis.transfer_bytes(workload.input_len))  # type: ignore[union-attr]
-                    lands = r.link_free + dis.link.latency_s  # type: ignore[union-attr]
+                    r.link_free = start + dis.link.busy_time(dis.transfer_bytes(workload.input_len))
+                    lands = r.link_free + dis.link.latency_s
                     transfers.append(lands - clock.now)
                     heapq.heappush(landings, (lands, trace.index, out.request_id, out.new_token_ids[0],
                                               out.finish_reason == "stop"))
