@@ -118,6 +118,39 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def add_computed_request(self, request: Request, num_computed_tokens: int) -> bool:
+        """Admit a request whose first `num_computed_tokens` tokens have K/V computed elsewhere
+        and copied in: prefill/decode disaggregation, where a prefill worker ran the prompt and
+        sampled its first token and the K/V arrived over a link. It joins `running` holding
+        blocks for those tokens, so its next step computes only what follows (a decode).
+
+        False, changing nothing, when max_num_seqs or the free blocks cannot take it now: a
+        decode worker reserves blocks before it accepts K/V, so the caller holds the request
+        and asks again after a step."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        if not 0 < num_computed_tokens < request.num_tokens:
+            raise ValueError(f"request {request.request_id!r}: {num_computed_tokens} computed tokens must be in "
+                             f"[1, {request.num_tokens - 1}] (at least one token left to compute)")
+        if request.num_tokens >= self._max_len(request):
+            raise ValueError(
+                f"request {request.request_id!r} has {request.num_tokens} tokens: no room to generate "
+                f"within its context window of {self._max_len(request)}"
+            )
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        before, request.num_computed_tokens = request.num_computed_tokens, 0
+        if self.kv_cache_manager.allocate_slots(request, num_computed_tokens) is None:
+            request.num_computed_tokens = before
+            return False
+        request.num_computed_tokens = num_computed_tokens
+        request.num_cached_tokens = 0
+        request.status = RequestStatus.RUNNING
+        request.first_scheduled_time = self.clock()
+        self.requests[request.request_id] = request
+        self.running.append(request)
+        return True
+
     def get_request(self, request_id: str) -> Request | None:
         """An unfinished request by id, else None."""
         return self.requests.get(request_id)

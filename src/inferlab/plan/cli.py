@@ -3,6 +3,8 @@
     inferlab plan --model llama-3.1-8b --hardware h100 --input-len 8192 --output-len 256
     inferlab plan --compare-cited course-001          # the course's worked service, with ratios
     inferlab plan --model M --hardware H --compare bench.json   # predicted vs measured
+    inferlab plan --model M --hardware H --fleet --request-rate 10 --goodput ttft:1000 tpot:50 \\
+        --usd-per-hour 3 [--markdown-out plan.md]   # GPUs, $/hour, goodput: colocated vs disaggregated
 
 No torch is imported unless --measure-cpu asks for a measurement.
 """
@@ -29,6 +31,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--compare-cited", metavar="KEY", choices=sorted(SCENARIOS),
                    help=f"the course's worked figures ({', '.join(sorted(SCENARIOS))}); fills in the scenario's "
                         "model, hardware and workload unless given")
+    f = p.add_argument_group("a fleet plan (--fleet): GPUs, cost and goodput at --request-rate under an SLO, "
+                             "computed then simulated, colocated and with prefill/decode pools")
+    f.add_argument("--fleet", action="store_true", help="plan a fleet (needs --request-rate, --goodput, --usd-per-hour)")
+    f.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS", help="the SLO, e.g. ttft:1000 tpot:50")
+    f.add_argument("--attainment", type=float, default=0.95, help="share of requests in SLO (default 0.95)")
+    f.add_argument("--kv-transfer-gbps", type=float, default=100.0,
+                   help="each prefill GPU's link to the decode pool, Gbit/s (default 100)")
+    f.add_argument("--kv-transfer-latency-ms", type=float, default=0.0, help="fixed time per transfer (default 0)")
+    f.add_argument("--fleet-prompts", type=int, default=400, help="simulated requests per fleet run (default 400)")
+    f.add_argument("--max-num-batched-tokens", type=int, default=8192, help="per step, each GPU (default 8192)")
+    f.add_argument("--markdown-out", default=None, help="also write the plan here as Markdown")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
         _fill_from_scenario(args, scenario)
     model = resolve_model(args)
     hardware = resolve_hardware(args, log=log)
+    if args.fleet:
+        return _run_fleet(args, model, hardware)
 
     out: dict[str, Any] = {}
     comparisons: list[tuple[str, list[ComparisonRow], list[str]]] = []
@@ -105,3 +120,42 @@ def _fill_from_scenario(args: argparse.Namespace, s) -> None:
         args.weight_dtype = s.weight_precision
     if args.usd_per_hour is None and s.usd_per_hour is not None:
         args.usd_per_hour = s.usd_per_hour
+
+
+def _run_fleet(args: argparse.Namespace, model, hardware) -> int:
+    import shlex
+
+    from inferlab.bench.metrics import parse_slo
+    from inferlab.plan.args import DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN
+    from inferlab.plan.fleet_plan import FleetSpec, plan_fleet
+
+    if args.request_rate is None:
+        raise ValueError("--fleet needs --request-rate (requests per second to plan for)")
+    if args.usd_per_hour is None:
+        raise ValueError("--fleet needs --usd-per-hour (what one GPU costs per hour)")
+    if args.fleet_prompts < 1:
+        raise ValueError(f"--fleet-prompts must be >= 1, got {args.fleet_prompts}")
+    spec = FleetSpec(
+        model, hardware,
+        args.input_len if args.input_len is not None else DEFAULT_INPUT_LEN,
+        args.output_len if args.output_len is not None else DEFAULT_OUTPUT_LEN,
+        args.request_rate, parse_slo(args.goodput), attainment=args.attainment, usd_per_hour=args.usd_per_hour,
+        usd_source=f"${args.usd_per_hour:g} per GPU-hour, given", kv_transfer_gbps=args.kv_transfer_gbps,
+        kv_transfer_latency_s=args.kv_transfer_latency_ms / 1000.0, memory_efficiency=args.memory_efficiency,
+        compute_efficiency=args.compute_efficiency,
+        efficiency_notes=(f"bandwidth × {args.memory_efficiency:g}, compute × {args.compute_efficiency:g} of peak "
+                          "(--memory-efficiency, --compute-efficiency)",),
+        num_prompts=args.fleet_prompts, max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+    )  # fmt: skip
+    plan = plan_fleet(spec, log=lambda s: print(s, file=sys.stderr))
+    if args.json:
+        print(json.dumps({"figures": [f.to_dict() for f in plan.figures], "simulated": plan.rows,
+                          "chosen": plan.chosen, "assumptions": plan.notes}, indent=1, default=str))
+    else:
+        text = plan.markdown("inferlab " + shlex.join(sys.argv[1:]))
+        print(text)
+        if args.markdown_out:
+            with open(args.markdown_out, "w", encoding="utf-8") as fh:
+                fh.write(text)
+    return 0

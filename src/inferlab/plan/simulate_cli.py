@@ -8,6 +8,8 @@ the same report as `inferlab bench` so prediction and measurement compare line b
     inferlab simulate --calibrate-engine --profile-out profile.json   # measure our engine here first
     inferlab simulate ... --replicas 16 --router all --shared-prefixes 8 --shared-prefix-len 512
                                                        # a fleet behind the router's own core
+    inferlab simulate ... --disaggregate 3:2 --kv-transfer-gbps 100 --goodput ttft:2000 tpot:50 \\
+        --usd-per-hour 3 --request-rate 8          # prefill and decode pools vs 5 colocated replicas
 
 The KV cache gets as many blocks as the plan's memory budget allows (or --num-blocks).
 """
@@ -86,6 +88,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="distinct system prompts of --shared-prefix-len tokens, one per request at random (default 1)")
     f.add_argument("--kv-poll-ms", type=float, default=500.0,
                    help="how often the router reads the replicas' KV events (default 500, as its probe interval)")
+    f.add_argument("--disaggregate", metavar="P:D", default=None,
+                   help="P prefill and D decode replicas, each request's K/V moved between them, compared with "
+                        "P + D colocated replicas on the same load (router policy: --router, default least-load)")
+    f.add_argument("--kv-transfer-gbps", type=float, default=None,
+                   help="with --disaggregate: each prefill replica's link to the decode pool, Gbit/s (required)")
+    f.add_argument("--kv-transfer-latency-ms", type=float, default=0.0,
+                   help="with --disaggregate: fixed time per transfer on top of bytes / bandwidth (default 0)")
 
     c = p.add_argument_group("step cost model (default: the plan's roofline)")
     c.add_argument("--calibrate", metavar="PROFILE.json", help="fit a linear cost to measured engine steps")
@@ -169,6 +178,10 @@ def run(args: argparse.Namespace) -> int:
         vocab_size=model.vocab_size, eos_probability=args.eos_probability, seed=args.seed,
         request_latency_s=args.request_latency_ms / 1000.0,
     )
+    if args.disaggregate is not None:
+        return _run_disaggregated(args, model, workload, sched_cfg, cache_cfg, num_blocks, cost, log)
+    if args.kv_transfer_gbps is not None:
+        raise ValueError("--kv-transfer-gbps needs --disaggregate P:D")
     if args.replicas is not None or args.router is not None:
         return _run_fleet(args, workload, sched_cfg, cache_cfg, num_blocks, cost, log)
     if args.shared_prefixes != 1:
@@ -232,4 +245,64 @@ def _run_fleet(args, workload, sched_cfg, cache_cfg, num_blocks, cost, log) -> i
             print(line)
         print("• simulated: TTFT and throughput from the step cost model; cached share from the real prefix cache "
               "of each replica; predicted = what the router expected cached when it chose")
+    return 0
+
+
+def _run_disaggregated(args, model, workload, sched_cfg, cache_cfg, num_blocks, cost, log) -> int:
+    from inferlab.plan.fleet_sim import (
+        Disaggregation,
+        KVLink,
+        comparison_row,
+        parse_disaggregate,
+        render_comparison,
+        simulate_fleet,
+    )
+    from inferlab.plan.precision import parse_precision
+    from inferlab.plan.roofline import kv_bytes_per_token
+
+    p, d = parse_disaggregate(args.disaggregate)
+    if args.kv_transfer_gbps is None:
+        raise ValueError("--disaggregate needs --kv-transfer-gbps (each prefill replica's link to the decode pool, "
+                         "Gbit/s)")
+    if args.replicas is not None and args.replicas != p + d:
+        raise ValueError(f"--replicas {args.replicas} is not P + D = {p + d}: the colocated baseline uses as many "
+                         "replicas as both pools together (leave --replicas out)")
+    policies = _policies(args.router) if args.router is not None else ["least-load"]
+    if len(policies) != 1:
+        raise ValueError("--disaggregate compares one routing policy: give --router with one name")
+    kv_bpt = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
+                                parse_precision(args.kv_dtype).bytes_per_element)
+    dis = Disaggregation(p, d, KVLink(args.kv_transfer_gbps, args.kv_transfer_latency_ms / 1000.0), kv_bpt)
+    slo = parse_slo(args.goodput)
+    common = dict(policy=policies[0], num_shared_prefixes=args.shared_prefixes, kv_poll_s=args.kv_poll_ms / 1000.0)
+    colo = simulate_fleet(workload, sched_cfg, cache_cfg, num_blocks, cost, replicas=p + d, **common)
+    disagg = simulate_fleet(workload, sched_cfg, cache_cfg, num_blocks, cost, replicas=p + d, disaggregation=dis,
+                            **common)  # fmt: skip
+    rows = [comparison_row(r, slo, args.usd_per_hour) for r in (colo, disagg)]
+    xfer_ms = dis.link.busy_time(dis.transfer_bytes(workload.input_len)) * 1e3 + args.kv_transfer_latency_ms
+    notes = [
+        f"simulated: {workload.num_prompts} requests of {workload.input_len} + {workload.output_len} tokens, "
+        f"{workload.load.label}; router policy {policies[0]}; each replica the real scheduler on the step cost model",
+        f"computed: K/V per request {dis.transfer_bytes(workload.input_len) / 1e6:,.1f} MB ({kv_bpt:,.0f} bytes/token "
+        f"× {workload.input_len}); {xfer_ms:.1f} ms alone at {args.kv_transfer_gbps:g} Gbit/s"
+        + (f" + {args.kv_transfer_latency_ms:g} ms latency" if args.kv_transfer_latency_ms else ""),
+        "simulated: each prefill replica sends one request's K/V at a time; the first token reaches the client "
+        "when its K/V lands; a decode replica admits it at its next step",
+        f"goodput: requests per second meeting {slo.describe()}" + ("" if args.usd_per_hour is not None else
+                                                                    "; give --usd-per-hour for costs"),
+    ]
+    doc = {"simulation": "disaggregated", "prefill_replicas": p, "decode_replicas": d,
+           "kv_transfer_gbps": args.kv_transfer_gbps, "kv_transfer_latency_ms": args.kv_transfer_latency_ms,
+           "kv_bytes_per_token": kv_bpt, "num_blocks_per_replica": num_blocks, "rows": rows, "notes": notes}
+    if args.result_file:
+        with open(args.result_file, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=1)
+        log(f"report written to {args.result_file}")
+    if args.json:
+        print(json.dumps(doc, indent=1))
+        return 0
+    for line in render_comparison(rows):
+        print(line)
+    for line in notes:
+        print(f"• {line}")
     return 0
