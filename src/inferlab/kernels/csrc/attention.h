@@ -121,12 +121,15 @@ inline void prefetch_row(const T* p, int64_t d) {
   for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
 }
 
+// Grouped passes for 16-bit and float32 rows at head_dim 64 / 128 (kGrouped): dot8 and
+// accumulate_rows take one query head at a time, so every K and V row is widened again for each
+// head that reads it; these widen a row once for GB <= 3 heads and keep all of their sums in
+// registers. avx512: 8 keys x GB heads of 16-lane score accumulators, GB x DC / 16 for V (at
+// SmolLM2's 3 heads per KV head, ~2x fewer instructions per K row, ~2.5x per V row). AVX2 (16
+// registers): 4 keys x GB heads, and V in halves of 32 values.
 #if defined(__AVX512F__)
-// The avx512 variant's passes for 16-bit and float32 rows with head_dim a multiple of 16. The
-// AVX2 loops below widen every K and V row once per query head that reads it (dot8 and
-// accumulate_rows take one head at a time); these widen a row once for GB <= 3 heads and keep
-// all of their sums in registers (GB x 8 score accumulators, or GB x DC / 16 for V): at
-// SmolLM2's 3 heads per KV head, ~2x fewer instructions per K row and ~2.5x per V row.
+template <int DC>
+constexpr bool kGrouped = DC > 0 && DC % 16 == 0;
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -149,7 +152,7 @@ inline __m256 sum8x16(const __m512* a) {
 
 // Pass 1 for heads g0 .. g0 + GB - 1: sc[g][t] = qf[g] . k(offs[t]) for t < lp (a multiple of 8).
 template <typename T, int GB, int DC>
-inline void scores_x16(const float* qf, const T* kc, const int64_t* offs, int64_t lp, float* sc) {
+inline void scores_group(const float* qf, const T* kc, const int64_t* offs, int64_t lp, float* sc) {
   for (int64_t t0 = 0; t0 < lp; t0 += 8) {
     if (t0 + 16 < lp)
       for (int j = 0; j < 8; ++j) prefetch_row(kc + offs[t0 + 16 + j], DC);
@@ -170,7 +173,7 @@ inline void scores_x16(const float* qf, const T* kc, const int64_t* offs, int64_
 
 // Pass 2 for heads g0 .. g0 + GB - 1: acc[g] = sum_{t < len} p[g][t] v(offs[t]).
 template <typename T, int GB, int DC>
-inline void accumulate_x16(float* acc, const float* p, int64_t lp, const T* vc, const int64_t* offs, int64_t len) {
+inline void accumulate_group(float* acc, const float* p, int64_t lp, const T* vc, const int64_t* offs, int64_t len) {
   constexpr int NV = DC / 16;
   __m512 a[GB][NV];
   for (int g = 0; g < GB; ++g)
@@ -189,6 +192,58 @@ inline void accumulate_x16(float* acc, const float* p, int64_t lp, const T* vc, 
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + g * DC + c * 16, a[g][c]);
 }
 
+#else
+template <int DC>
+constexpr bool kGrouped = DC > 0 && DC % 32 == 0;
+
+// 4 accumulators of 8 lanes -> their 4 sums (lane j = sum of a[j]).
+inline __m128 sum4x8(const __m256* a) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+template <typename T, int GB, int DC>
+inline void scores_group(const float* qf, const T* kc, const int64_t* offs, int64_t lp, float* sc) {
+  for (int64_t t0 = 0; t0 < lp; t0 += 4) {
+    if (t0 % 8 == 0 && t0 + 16 < lp)
+      for (int j = 0; j < 8; ++j) prefetch_row(kc + offs[t0 + 16 + j], DC);
+    __m256 acc[GB][4];
+    for (int g = 0; g < GB; ++g)
+      for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();
+    for (int c = 0; c < DC; c += 8) {
+      __m256 qv[GB];
+      for (int g = 0; g < GB; ++g) qv[g] = _mm256_loadu_ps(qf + g * DC + c);
+      for (int j = 0; j < 4; ++j) {
+        const __m256 k = load8(kc + offs[t0 + j] + c);
+        for (int g = 0; g < GB; ++g) acc[g][j] = _mm256_fmadd_ps(qv[g], k, acc[g][j]);
+      }
+    }
+    for (int g = 0; g < GB; ++g) _mm_storeu_ps(sc + g * lp + t0, sum4x8(acc[g]));
+  }
+}
+
+template <typename T, int GB, int DC>
+inline void accumulate_group(float* acc, const float* p, int64_t lp, const T* vc, const int64_t* offs, int64_t len) {
+  for (int c0 = 0; c0 < DC; c0 += 32) {  // the second half finds the rows in L1 / L2
+    __m256 a[GB][4];
+    for (int g = 0; g < GB; ++g)
+      for (int c = 0; c < 4; ++c) a[g][c] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < len; ++t) {
+      if (c0 == 0 && t + 32 < len) prefetch_row(vc + offs[t + 32], DC);
+      const T* r = vc + offs[t] + c0;
+      __m256 pv[GB];
+      for (int g = 0; g < GB; ++g) pv[g] = _mm256_set1_ps(p[g * lp + t]);
+      for (int c = 0; c < 4; ++c) {
+        const __m256 v = load8(r + c * 8);
+        for (int g = 0; g < GB; ++g) a[g][c] = _mm256_fmadd_ps(pv[g], v, a[g][c]);
+      }
+    }
+    for (int g = 0; g < GB; ++g)
+      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc + g * DC + c0 + c * 8, a[g][c]);
+  }
+}
+#endif
+
 // Both passes over every head, in groups of up to 3 (GB x 8 accumulators, GB queries and one
 // row fit the 32 registers).
 template <typename T, int DC>
@@ -197,9 +252,9 @@ inline void scores_all(const float* qf, const T* kc, const int64_t* offs, int64_
     const int64_t n = std::min<int64_t>(3, g_heads - g0);
     const float* q = qf + g0 * DC;
     float* o = sc + g0 * lp;
-    if (n == 3) scores_x16<T, 3, DC>(q, kc, offs, lp, o);
-    else if (n == 2) scores_x16<T, 2, DC>(q, kc, offs, lp, o);
-    else scores_x16<T, 1, DC>(q, kc, offs, lp, o);
+    if (n == 3) scores_group<T, 3, DC>(q, kc, offs, lp, o);
+    else if (n == 2) scores_group<T, 2, DC>(q, kc, offs, lp, o);
+    else scores_group<T, 1, DC>(q, kc, offs, lp, o);
   }
 }
 
@@ -210,12 +265,11 @@ inline void accumulate_all(float* acc, const float* p, int64_t lp, const T* vc, 
     const int64_t n = std::min<int64_t>(3, g_heads - g0);
     float* a = acc + g0 * DC;
     const float* pg = p + g0 * lp;
-    if (n == 3) accumulate_x16<T, 3, DC>(a, pg, lp, vc, offs, len);
-    else if (n == 2) accumulate_x16<T, 2, DC>(a, pg, lp, vc, offs, len);
-    else accumulate_x16<T, 1, DC>(a, pg, lp, vc, offs, len);
+    if (n == 3) accumulate_group<T, 3, DC>(a, pg, lp, vc, offs, len);
+    else if (n == 2) accumulate_group<T, 2, DC>(a, pg, lp, vc, offs, len);
+    else accumulate_group<T, 1, DC>(a, pg, lp, vc, offs, len);
   }
 }
-#endif
 
 // Scratch reused across tasks on one thread (sized to the longest context seen).
 struct Scratch {
@@ -271,12 +325,10 @@ void decode_task(const Q* q, const T* kc, const T* vc, const float* ks, const fl
   // Pass 1: scores[g][t] = (scale q_g) . k_t  (t in visiting order)
   float* sc = s.scores.data();
   const T* rows[8];
-#if defined(__AVX512F__)
-  constexpr bool kWide = !kQuant && DC > 0 && DC % 16 == 0;  // the avx512 passes: scores_x16, accumulate_x16
+  constexpr bool kWide = !kQuant && kGrouped<DC>;  // scores_group / accumulate_group
   if constexpr (kWide)
     scores_all<T, DC>(s.qf.data(), kc, offs, lp, sc, g_heads);
   else
-#endif
   for (int64_t t0 = 0; t0 < lp; t0 += 8) {
     for (int j = 0; j < 8; ++j) rows[j] = kc + offs[t0 + j];
     if (t0 + 16 < lp)
@@ -323,11 +375,9 @@ void decode_task(const Q* q, const T* kc, const T* vc, const float* ks, const fl
 
   // Pass 2: acc[g] = sum_t p[g][t] v_t, a tile of V rows at a time, reused for every head.
   const T* vrows[kTile];
-#if defined(__AVX512F__)
   if constexpr (kWide)
     accumulate_all<T, DC>(s.acc.data(), sc, lp, vc, offs, len, g_heads);
   else
-#endif
   for (int64_t t0 = 0; t0 < len; t0 += kTile) {
     const int n = static_cast<int>(std::min<int64_t>(kTile, len - t0));
     for (int j = 0; j < n; ++j) vrows[j] = vc + offs[t0 + j];
