@@ -262,6 +262,7 @@ def engine_share(model: str | None, streams: int, tokens: int, runs: int) -> Non
     names = ["plain", *ENGINE_GRAMMARS]
     results: dict[str, list[float]] = {n: [] for n in names}
     masks: dict[str, list[float]] = {n: [] for n in ENGINE_GRAMMARS}
+    print(f"\nengine: {streams} streams x {tokens} tokens, {runs} runs after a warm-up round", flush=True)
     for r in range(runs + 1):  # round 0 warms up (first compile, buffers, caches) and is dropped
         for name in names if r % 2 else names[::-1]:
             steps.clear()
@@ -275,6 +276,9 @@ def engine_share(model: str | None, streams: int, tokens: int, runs: int) -> Non
                 assert all(o.outputs[0].finish_reason == "length" for o in outs), "a grammar ended a stream early"
                 masks[name].append(statistics.median(mask_times) * 1000)
             results[name].append(statistics.median(steps) * 1000)
+            # As it goes, so that a run cut short by a timeout still shows what it measured.
+            print(f"  run {r} {name}: median step {results[name][-1]:.2f} ms over {len(steps)} steps"
+                  + (f", fill + apply {masks[name][-1]:.2f} ms" if so is not None else ""), flush=True)
     plain = statistics.median(results["plain"])
     print(f"\nengine, {streams} streams x {tokens} tokens, temperature 1, {runs} runs alternated "
           f"(median of per-run median whole steps; torch threads {torch.get_num_threads()}):")
