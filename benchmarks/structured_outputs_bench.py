@@ -1,5 +1,5 @@
 """xgrammar against llguidance, the two grammar engines vLLM and SGLang use, on what our engine
-would pay for structured outputs:
+would pay for structured outputs, and the mask's share of a real 32-stream decode step:
 
 - **compile**: one JSON schema into a grammar the matcher can run (a request pays it once at
   admission; the engine caches it by schema), cold, median of several runs on fresh compilers;
@@ -7,17 +7,23 @@ would pay for structured outputs:
   through a different valid answer) and apply it to float32 logits [32, vocab], then advance
   every matcher by its next token: the work a decode step adds. The fill is timed both ways
   each library offers (a Python loop of one-matcher calls, and its own threaded batch call),
-  the apply both ways too (the library's CPU kernel where it has one, and inferlab's torch
-  unpacking, engine/structured_outputs.py's `apply_bitmask`).
+  the apply both ways too (the library's CPU kernel where it has one, and inferlab's branch-free
+  apply, engine/structured_outputs.py's `apply_bitmask`, what the sampler runs);
+- **engine** (`--engine`): whole `engine.step()` wall times of `--streams` requests decoding on
+  the engine (the default model unless --model) without a grammar and with two that never end
+  (free letters; JSON-like punctuation, keys, strings and numbers), alternated run by run after
+  a warm-up round; the mask's cost as a share of the plain step, and the sampler's mask stage
+  (fill + apply) timed on its own.
 
 Libraries alternate run by run; medians are printed. The tokenizer is the default model's
 (SmolLM2, vocab 49,152) when its GGUF is given or cached, else the tests' tiny BPE padded to
---vocab. Run it on a quiet machine:
+--vocab. Run it on a quiet machine; the figure for the issue's must-show (<= 10% of the step)
+in under 3 minutes:
 
-    .venv/bin/python benchmarks/structured_outputs_bench.py [--model PATH.gguf] [--runs 5] [--engine]
+    timeout 180 .venv/bin/python benchmarks/structured_outputs_bench.py --engine --runs 5
 
-`--engine` adds the figure that matters: the mask's share of a whole 32-stream decode step on
-the engine (the default model unless --model), with and without a grammar, alternated.
+(`--engine-only` skips the library table; `--model PATH.gguf` picks the model; a smoke run:
+`--engine-only --runs 1 --streams 4 --engine-tokens 8`.)
 
 (xgrammar is not an inferlab dependency: install it next to llguidance to compare,
 `pip install --no-deps xgrammar apache-tvm-ffi`: its own requirements pull triton in.)
@@ -34,7 +40,9 @@ from typing import Any
 
 import torch
 
-from inferlab.engine.structured_outputs import apply_bitmask
+from inferlab.engine.structured_outputs import GrammarMasker, apply_bitmask
+
+MASKER = GrammarMasker()  # apply_bitmask's buffers, kept across calls as the sampler keeps them
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -162,7 +170,7 @@ class LLGuidance:
         self.llgt.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(ms)], bitmask)
 
     def apply_own(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-        apply_bitmask(logits, bitmask)  # its own apply is a torch.compile kernel: none on a plain CPU
+        apply_bitmask(logits, bitmask, masker=MASKER)  # its own is a torch.compile kernel: none on a plain CPU
 
     def accept(self, m: Any, token: int) -> bool:
         return m.consume_token(token)
@@ -192,7 +200,7 @@ def run_once(lib: Any, hf: Any, vocab: int, streams: int, steps: int, fill: str,
         t1 = time.perf_counter()
         work = logits.clone()
         t2 = time.perf_counter()
-        (lib.apply_own if apply == "own" else (lambda lg, bm: apply_bitmask(lg, bm)))(work, bitmask)
+        (lib.apply_own if apply == "own" else (lambda lg, bm: apply_bitmask(lg, bm, masker=MASKER)))(work, bitmask)
         t3 = time.perf_counter()
         for i, m in enumerate(ms):
             tok = texts[i][pos[i]]
@@ -204,32 +212,82 @@ def run_once(lib: Any, hf: Any, vocab: int, streams: int, steps: int, fill: str,
     return compile_s, median_ms(fills), median_ms(applies)
 
 
+# Grammars whose only end is a DEL character (which no model writes), so all the streams decode
+# for the whole run, one kind of mask each: letters allow ~2/3 of the vocabulary interleaved with
+# the rest (free text); the JSON-like one alternates forced punctuation and keys (a token or two
+# allowed) with short free strings and numbers, as a JSON schema's masks do.
+ENGINE_GRAMMARS = {
+    "letters": "[a-z ]+\x7f",
+    "json-like": r'\[(\{"name": "[a-z ]{1,20}", "age": [0-9]{1,2}, "ok": (true|false)\}, )+' + "\x7f",
+}
+
+
 def engine_share(model: str | None, streams: int, tokens: int, runs: int) -> None:
     """The mask's share of a real decode step: `streams` requests decoding `tokens` tokens each on
-    the engine, with and without a grammar (a regex of letters and spaces: no early end, and a
-    mask that allows a good part of the vocabulary), alternated; median step time (forward pass
-    and sampler, ModelRunnerOutput.step_time) of the all-decode steps."""
+    the engine without a grammar and with each of ENGINE_GRAMMARS, alternated run by run (the
+    order reversed every other run), after one warm-up round. A step is the whole `engine.step()`
+    wall time (schedule, forward pass, sampler with the mask, matchers advanced, outputs), counted
+    when all `streams` requests decode in it; the figure is the median over runs of each run's
+    median step. The mask stage inside the sampler (fill + apply) is timed on its own too."""
     from inferlab import LLM, SamplingParams
     from inferlab.engine.request import StructuredOutputsParams
 
     llm = LLM(model, max_num_seqs=streams)
     engine = llm.engine
     steps: list[float] = []
-    engine.step_observer = lambda so, ro: steps.append(ro.step_time) if all(
-        len(s.token_ids) == 1 for s in so.scheduled) and len(so.scheduled) == streams else None
+    full = [False]
+    engine.step_observer = lambda so, ro: full.__setitem__(0, len(so.scheduled) == streams and all(
+        len(s.token_ids) == 1 for s in so.scheduled))
+    step = engine.step
+
+    def timed_step():  # type: ignore[no-untyped-def]
+        full[0] = False
+        t0 = time.perf_counter()
+        out = step()
+        if full[0]:
+            steps.append(time.perf_counter() - t0)
+        return out
+
+    engine.step = timed_step  # type: ignore[method-assign]
+    mask_times: list[float] = []
+    masker = engine.runner.sampler.grammar_masks
+
+    def timed_masker(*args: Any) -> None:
+        t0 = time.perf_counter()
+        masker(*args)
+        mask_times.append(time.perf_counter() - t0)
+
+    engine.runner.sampler.grammar_masks = timed_masker  # type: ignore[assignment]
     prompts = [f"Write a short story about the number {i}." for i in range(streams)]
-    grammar = StructuredOutputsParams(regex="[a-z ]+")
-    results: dict[str, list[float]] = {"plain": [], "grammar": []}
-    for _ in range(runs):
-        for name in ("plain", "grammar"):
+    names = ["plain", *ENGINE_GRAMMARS]
+    results: dict[str, list[float]] = {n: [] for n in names}
+    masks: dict[str, list[float]] = {n: [] for n in ENGINE_GRAMMARS}
+    print(f"\nengine: {streams} streams x {tokens} tokens, {runs} runs after a warm-up round", flush=True)
+    for r in range(runs + 1):  # round 0 warms up (first compile, buffers, caches) and is dropped
+        for name in names if r % 2 else names[::-1]:
             steps.clear()
-            params = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, seed=1,
-                                    structured_outputs=grammar if name == "grammar" else None)
-            llm.generate(prompts, params)
+            mask_times.clear()
+            so = StructuredOutputsParams(regex=ENGINE_GRAMMARS[name]) if name in ENGINE_GRAMMARS else None
+            params = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, seed=1, structured_outputs=so)
+            outs = llm.generate(prompts, params)
+            if r == 0:
+                continue
+            if so is not None:
+                assert all(o.outputs[0].finish_reason == "length" for o in outs), "a grammar ended a stream early"
+                masks[name].append(statistics.median(mask_times) * 1000)
             results[name].append(statistics.median(steps) * 1000)
-    plain, masked = statistics.median(results["plain"]), statistics.median(results["grammar"])
-    print(f"\nengine, {streams} streams x {tokens} tokens, {runs} runs: decode step {plain:.1f} ms plain, "
-          f"{masked:.1f} ms with a grammar: the mask costs {masked - plain:.1f} ms ({(masked - plain) / plain:.1%} of the step)")
+            # As it goes, so that a run cut short by a timeout still shows what it measured.
+            print(f"  run {r} {name}: median step {results[name][-1]:.2f} ms over {len(steps)} steps"
+                  + (f", fill + apply {masks[name][-1]:.2f} ms" if so is not None else ""), flush=True)
+    plain = statistics.median(results["plain"])
+    print(f"\nengine, {streams} streams x {tokens} tokens, temperature 1, {runs} runs alternated "
+          f"(median of per-run median whole steps; torch threads {torch.get_num_threads()}):")
+    print(f"  plain: {plain:.2f} ms a step (runs: {', '.join(f'{x:.2f}' for x in results['plain'])})")
+    for name in ENGINE_GRAMMARS:
+        m = statistics.median(results[name])
+        print(f"  {name}: {m:.2f} ms a step (runs: {', '.join(f'{x:.2f}' for x in results[name])}): "
+              f"the mask costs {m - plain:.2f} ms = {(m - plain) / plain:.1%} of the plain step; "
+              f"fill + apply alone {statistics.median(masks[name]):.2f} ms")
 
 
 def main() -> None:
@@ -243,9 +301,13 @@ def main() -> None:
     ap.add_argument("--engine", action="store_true",
                     help="also time whole decode steps on the engine (the model given, or the default), with and without a grammar")
     ap.add_argument("--engine-tokens", type=int, default=64)
+    ap.add_argument("--engine-only", action="store_true", help="only the engine figures (implies --engine)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.engine_only:
+        engine_share(args.model, args.streams, args.engine_tokens, args.runs)
+        return
     hf, vocab = load_tokenizer(args.model, args.vocab)
     libs = []
     for cls in (XGrammar, LLGuidance):
@@ -255,7 +317,7 @@ def main() -> None:
             print(f"{cls.name}: not installed ({e})")
     for lib in libs:
         print(f"{lib.name}: tokenizer setup {lib.setup_s * 1000:.0f} ms (once per server)")
-    modes = [("loop", "own"), ("batch", "own"), ("batch", "torch")]
+    modes = [("loop", "own"), ("batch", "own"), ("batch", "inferlab")]
     results: dict[tuple[str, str, str], list[tuple[float, float, float]]] = {}
     for _ in range(args.runs):
         for lib in libs:  # alternated run by run

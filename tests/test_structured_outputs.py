@@ -242,26 +242,3 @@ def test_reasoning_parser_splits_a_think_block(client):
             thought += (c.delta.model_extra or {}).get("reasoning_content") or ""
             content += c.delta.content or ""
     assert content in ("yes", "no") and len(thought) == 3 and "<" not in thought + content
-
-
-def test_bitmask_rows_and_bit_order():
-    """Bit j of word w allows token 32w + j; only the constrained rows are touched."""
-    import torch
-
-    from inferlab.engine.structured_outputs import mask_logits
-
-    class Allow:
-        def __init__(self, ids):
-            self.ids = ids
-
-        def fill(self, bitmask, row):
-            bitmask[row] = 0
-            for t in self.ids:
-                w, b = divmod(t, 32)
-                bitmask[row, w] |= torch.tensor(1 << b, dtype=torch.int64).to(torch.int32)
-
-    logits = torch.randn(3, 70)
-    out = mask_logits(logits.clone(), [0, 2], [Allow([0, 31, 33, 69]), Allow([5])])
-    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [0, 31, 33, 69]
-    assert torch.equal(out[1], logits[1])
-    assert torch.isfinite(out[2]).nonzero().flatten().tolist() == [5] and out[2, 5] == logits[2, 5]

@@ -25,7 +25,7 @@ import torch
 
 from inferlab.engine.outputs import ScheduledRequest
 from inferlab.engine.request import Logprob, SamplingParams, TokenLogprobs
-from inferlab.engine.structured_outputs import mask_logits
+from inferlab.engine.structured_outputs import GrammarMasker
 
 _NEG_INF = float("-inf")
 
@@ -43,10 +43,11 @@ class Sampler:
     def __init__(self, seed: int = 0, fused: bool = False):
         self.generator = torch.Generator().manual_seed(seed)
         self.fused = fused
+        self.grammar_masks = GrammarMasker()
 
     def __call__(self, logits: torch.Tensor, rows: list[ScheduledRequest]) -> SamplerOutput:
-        """logits: float32 [N, V], one row per request in `rows`."""
-        raw = logits
+        """logits: float32 [N, V], one row per request in `rows`. The rows of requests with a
+        grammar may come back masked: the mask is applied in place, not to a copy of the batch."""
         want_logprobs = any(r.sampling_params.logprobs is not None for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
@@ -54,8 +55,7 @@ class Sampler:
             logits = apply_token_constraints(logits.clone(), rows)
         grammar_rows = [i for i, r in enumerate(rows) if getattr(r, "grammar", None) is not None]
         if grammar_rows:  # structured outputs: what the grammar forbids, before everything else
-            logits = mask_logits(logits if logits is not raw else logits.clone(), grammar_rows,
-                                 [rows[i].grammar for i in grammar_rows])
+            self.grammar_masks(logits, grammar_rows, [rows[i].grammar for i in grammar_rows])
         if any(r.sampling_params.has_penalties for r in rows):
             logits = apply_penalties(logits.clone(), rows)
         logits = mask_early_stop_tokens(logits, rows)

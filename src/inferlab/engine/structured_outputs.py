@@ -13,8 +13,9 @@ costs least:
   schema never stalls a step, and an invalid one is a 400 naming the problem;
 - **per sequence** (`GrammarCompiler.matcher`): a copy of the cached fresh matcher, one per
   sequence (n > 1 children each have their own), cheap;
-- **per step**: the sampler fills one bitmask row per constrained row and applies them in one
-  pass (`mask_logits`); the scheduler advances each matcher with the token it appends
+- **per step** (`GrammarMasker`): the sampler has every constrained row's bitmask filled into a
+  buffer kept across steps and applies them in place to those logits rows, branch-free
+  (`apply_bitmask`); the scheduler advances each matcher with the token it appends
   (`Grammar.accept`) and ends the request when the grammar is complete.
 """
 
@@ -25,6 +26,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
 import torch
 
 from inferlab.engine.request import StructuredOutputsParams
@@ -34,8 +36,12 @@ from inferlab.engine.request import StructuredOutputsParams
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 256  # compiled constraints kept (LRU)
 
-_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-_NEG_INF = torch.tensor(float("-inf"))
+# Row k of the table: byte value k as eight float32 limits, +inf where its bit is set (the token
+# allowed: min(x, +inf) is x itself), -inf where it is not (min(x, -inf) is -inf).
+_LIMITS = np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, np.inf, -np.inf).astype(np.float32)
+# The limits are expanded a few rows at a time into a buffer of about this size, which stays in
+# a core's L2 (a whole [32, 49,152] float32 batch at once is 6 MB, read back from memory).
+_CHUNK_BYTES = 1 << 19
 
 
 class Grammar:
@@ -54,10 +60,10 @@ class Grammar:
         """The grammar is complete (its stop token taken, or nothing more can follow)."""
         return bool(self._m.is_stopped())
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into bitmask[row] (int32 words, bit j of word w = token 32w + j)."""
-        v = bitmask[row]
-        self._m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+    @property
+    def matcher(self) -> Any:
+        """The llguidance matcher itself (GrammarMasker fills many in one call)."""
+        return self._m
 
 
 class GrammarCompiler:
@@ -140,25 +146,73 @@ def _clean(message: str) -> str:
     return " ".join(message.split())[:500]
 
 
-def mask_logits(logits: torch.Tensor, rows: list[int], grammars: list[Grammar]) -> torch.Tensor:
-    """logits with every token grammar k forbids at -inf in row rows[k] (in place when every row
-    is constrained, else on the gathered rows): one bitmask fill per matcher, one apply."""
+class GrammarMasker:
+    """The sampler's per-step mask work, with its buffers kept across steps: each constrained
+    row's bitmask filled by its matcher, then one branch-free pass per run of adjacent rows
+    applies them to the logits in place. Rows without a grammar cost nothing."""
+
+    def __init__(self) -> None:
+        self._bitmask = torch.empty((0, 0), dtype=torch.int32)
+        self._scratch = np.empty((0, 0, 8), dtype=np.float32)
+
+    def __call__(self, logits: torch.Tensor, rows: list[int], grammars: list[Grammar]) -> None:
+        """Set logits[rows[k], j] to -inf for every token j that grammars[k] forbids next."""
+        apply_bitmask(logits, self.fill(grammars, logits.shape[1]), rows, self)
+
+    def fill(self, grammars: list[Grammar], vocab: int) -> torch.Tensor:
+        """[len(grammars), ceil(vocab / 32)] int32 bitmask, row k grammars[k]'s (a view of the
+        buffer: valid until the next call). Bit j of word w allows token 32w + j.
+
+        One matcher at a time on the calling thread: llguidance's threaded batch call
+        (LLExecutor) has to wake its pool threads first, and on two cores still busy (the forward
+        pass's threads, other processes) they wait for one: on a loaded 2-core machine its
+        median fill at 16 streams was ~20x this loop's."""
+        n, words = len(grammars), (vocab + 31) // 32
+        if self._bitmask.shape[0] < n or self._bitmask.shape[1] != words:
+            self._bitmask = torch.empty((max(n, self._bitmask.shape[0]), words), dtype=torch.int32)
+        bitmask = self._bitmask[:n]
+        base, row_bytes = bitmask.data_ptr(), words * 4
+        for k, g in enumerate(grammars):  # every row written: nothing is left from an earlier step
+            g.matcher.unsafe_compute_mask_ptr(base + k * row_bytes, row_bytes)
+        return bitmask
+
+    def scratch(self, rows: int, words: int) -> np.ndarray:
+        """A [rows, 4 * words, 8] float32 buffer for apply_bitmask, reused across steps."""
+        if self._scratch.shape[0] < rows or self._scratch.shape[1] != 4 * words:
+            self._scratch = np.empty((rows, 4 * words, 8), dtype=np.float32)
+        return self._scratch[:rows]
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None,
+                  masker: GrammarMasker | None = None) -> None:
+    """logits[rows[k], j] = -inf where bit j of bitmask[k] is 0 (rows: 0 .. len(bitmask) - 1
+    when None), in place; every other value is left exactly as it is. logits: float32 on the CPU.
+
+    Branch-free, so its cost does not depend on the mask: each byte of a word (little-endian:
+    byte b of word w holds tokens 32w + 8b ..) looks up its eight limits (+inf allowed, -inf
+    forbidden), and the row takes the elementwise minimum with them. A select per token
+    (torch.where, numpy's putmask) branches, and costs several times more where allowed and
+    forbidden tokens interleave, as they do for free text inside a grammar. A NaN logit stays
+    NaN either way."""
+    if logits.dtype != torch.float32 or logits.device.type != "cpu":
+        raise ValueError(f"grammar masks apply to float32 CPU logits, got {logits.dtype} on {logits.device}")
+    n, words = bitmask.shape
     vocab = logits.shape[1]
-    bitmask = torch.empty((len(rows), (vocab + 31) // 32), dtype=torch.int32)
-    for k, g in enumerate(grammars):
-        g.fill(bitmask, k)
-    if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
-        apply_bitmask(logits, bitmask)
-        return logits
-    idx = torch.tensor(rows)
-    sub = logits.index_select(0, idx)
-    apply_bitmask(sub, bitmask)
-    logits.index_copy_(0, idx, sub)
-    return logits
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """logits[i, j] = -inf where bit j of bitmask row i is 0, in place: the words seen as bytes
-    (little-endian: byte b of word w holds tokens 32w + 8b ..), each byte against its eight bits."""
-    keep = torch.bitwise_and(bitmask.view(torch.uint8).unsqueeze(-1), _BITS).view(bitmask.shape[0], -1)
-    torch.where(keep[:, : logits.shape[1]].bool(), logits, _NEG_INF, out=logits)
+    if rows is None:
+        rows = list(range(n))
+    lg = logits.numpy()
+    codes = bitmask.numpy().view(np.uint8)  # [n, 4 * words]
+    chunk = max(1, _CHUNK_BYTES // (words * 128))
+    scratch = (masker or GrammarMasker()).scratch(min(chunk, n), words)
+    k = 0
+    while k < n:  # one run of adjacent rows at a time: row views, no gather or scatter
+        first, end = rows[k], k + 1
+        while end < n and rows[end] == first + end - k:
+            end += 1
+        for a in range(k, end, chunk):
+            m = min(chunk, end - a)
+            limits = scratch[:m]
+            np.take(_LIMITS, codes[a : a + m], axis=0, out=limits, mode="wrap")
+            dst = lg[first + a - k : first + a - k + m]
+            np.minimum(dst, limits.reshape(m, -1)[:, :vocab], out=dst)
+        k = end
