@@ -1,10 +1,21 @@
 """The router's policies side by side on a workload with shared prefixes: K system prompts ×
 many questions, sent in the same shuffled order to N replicas of the same model on loopback.
 
-    python benchmarks/router_bench.py                       # 2 replicas, 3 policies, a markdown table
-    python benchmarks/router_bench.py --systems 4 --questions 24 --concurrency 4 --out /tmp/rb.md --png /tmp/rb.png
-    python benchmarks/router_bench.py --repeats 3 --sim-cost-model cost.json   # medians; the simulator beside
-    python benchmarks/router_bench.py --systems 2 --questions 3 --system-words 40 --max-tokens 4   # a smoke run
+The full run (≤ ~8 min on 2 cores; what benchmarks/results/router_bench.md shows):
+
+    .venv/bin/python benchmarks/router_bench.py --out benchmarks/results/router_bench.md \
+        --png benchmarks/results/router_bench.png
+
+It (1) calibrates the step cost model on this machine (`inferlab simulate --calibrate-engine`,
+one thread, a short profile; skipped with --sim-cost-model); (2) starts 2 replicas of the default
+model (`--num-threads 1`) and runs cache-aware, least-load and round-robin behind a fresh router
+each, with `inferlab simulate`'s fleet model of the same shape beside them; (3) does the same
+over 16 simulated replicas (`inferlab serve --simulate` on the calibrated cost model, the
+replicas' own KV cache size), where K is 16, and a hot-prefix workload (one system prompt
+for every request) that must spread. A smoke run:
+
+    .venv/bin/python benchmarks/router_bench.py --systems 2 --questions 3 --system-words 40 --max-tokens 4 \
+        --sim-replicas 4 --sim-systems 4 --sim-questions 3 --calibrate-max-prefill 64 --calibrate-max-batch 4
 
 Each policy runs behind a fresh router with its own `cache_salt`, so every policy starts from
 cold caches on the same warm replicas. Per policy: the share of prompt tokens served from the
@@ -13,11 +24,6 @@ tokens/s, how the requests spread over the replicas, and the cached share the ro
 when it chose (its own /metrics). With --repeats R the policies run R times, alternated, and
 each figure is the median of the R runs. Bounded: a policy's run stops sending new requests
 after --max-seconds-per-policy.
-
-With --sim-cost-model (a linear step cost saved by `inferlab simulate --calibrate PROFILE.json
---save-cost-model cost.json`), `inferlab simulate`'s fleet model runs the same shape (K system
-prompts of the measured length, the measured prompt length, the same concurrency and number of
-replicas) through the same routing core, and its rows are printed beside the measured ones.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from harness import free_port, served
+from harness import free_port, served, stop_group, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches "
@@ -185,24 +192,25 @@ def shared_prefix_tokens(base: str, system: str) -> tuple[int, int]:
     return n, len(a)
 
 
-def simulated_rows(args: argparse.Namespace, prefix_len: int, prompt_len: int, num_blocks: int, block_size: int,
-                   policies: list[str]) -> list[dict]:  # fmt: skip
-    """`inferlab simulate`'s fleet model on the same shape (see the module docstring)."""
+def simulated_rows(cost_file: Path, shape: tuple[int, int, int, int], policies: list[str], *, replicas: int,
+                   systems: int, questions: int, concurrency: int, max_tokens: int, seed: int) -> list[dict]:  # fmt: skip
+    """`inferlab simulate`'s fleet model on the same shape: (shared prefix tokens, prompt tokens,
+    KV blocks per replica, block size) as measured, the same K, requests and concurrency."""
     from inferlab.config import CacheConfig, SchedulerConfig
     from inferlab.plan.cost_model import load_cost_model
     from inferlab.plan.fleet_sim import simulate_fleet
     from inferlab.plan.simulator import SimWorkload
 
-    cost = load_cost_model(str(args.sim_cost_model))
-    n = args.systems * args.questions
-    wl = SimWorkload(num_prompts=n, input_len=max(prompt_len, prefix_len + 1), output_len=args.max_tokens,
-                     shared_prefix_len=prefix_len, vocab_size=49152,  # the default model's max_concurrency=args.concurrency, seed=args.seed,
-                     request_latency_s=0.002)  # fmt: skip
+    prefix_len, prompt_len, num_blocks, block_size = shape
+    cost = load_cost_model(str(cost_file))
+    wl = SimWorkload(num_prompts=systems * questions, input_len=max(prompt_len, prefix_len + 1), output_len=max_tokens,
+                     shared_prefix_len=prefix_len, vocab_size=49152,  # the default model's
+                     max_concurrency=concurrency, seed=seed, request_latency_s=0.002)  # fmt: skip
     sched = SchedulerConfig(max_model_len=wl.input_len + wl.output_len)
     rows = []
     for policy in policies:
-        r = simulate_fleet(wl, sched, CacheConfig(block_size=block_size), num_blocks, cost, replicas=args.replicas,
-                           policy=policy, num_shared_prefixes=args.systems)  # fmt: skip
+        r = simulate_fleet(wl, sched, CacheConfig(block_size=block_size), num_blocks, cost, replicas=replicas,
+                           policy=policy, num_shared_prefixes=systems)  # fmt: skip
         s = r.summary()
         rows.append({"policy": f"{policy} (simulated)", "requests": s["requests"], "cached_share": s["cached_token_share"],
                      "predicted_share": s["predicted_cached_token_share"], "ttft_p50_ms": s["ttft_p50_ms"],
@@ -211,29 +219,91 @@ def simulated_rows(args: argparse.Namespace, prefix_len: int, prompt_len: int, n
     return rows
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(sections: list[tuple[str, list[dict]]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [r["policy"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    a.bar(names, [100 * r["cached_share"] for r in rows], color="tab:green")
-    a.set_ylabel("prompt tokens from the prefix cache (%)")
-    a.set_ylim(0, 100)
-    x = range(len(rows))
-    b.bar([i - 0.2 for i in x], [r["ttft_p50_ms"] for r in rows], width=0.4, label="TTFT p50")
-    b.bar([i + 0.2 for i in x], [r["ttft_p95_ms"] for r in rows], width=0.4, label="TTFT p95")
-    b.set_xticks(list(x), names)
-    b.set_ylabel("ms")
-    b.legend()
-    for ax in (a, b):
-        ax.tick_params(axis="x", labelrotation=20)
+    fig, axes = plt.subplots(len(sections), 2, figsize=(12, 4 * len(sections)), squeeze=False)
+    for (title, rows), (a, b) in zip(sections, axes):
+        names = [r["policy"] for r in rows]
+        a.bar(names, [100 * r["cached_share"] for r in rows], color="tab:green")
+        a.set_ylabel("prompt tokens from the prefix cache (%)")
+        a.set_ylim(0, 100)
+        a.set_title(title, fontsize=9)
+        x = range(len(rows))
+        b.bar([i - 0.2 for i in x], [r["ttft_p50_ms"] for r in rows], width=0.4, label="TTFT p50")
+        b.bar([i + 0.2 for i in x], [r["ttft_p95_ms"] for r in rows], width=0.4, label="TTFT p95")
+        b.set_xticks(list(x), names)
+        b.set_ylabel("ms")
+        b.legend()
+        for ax in (a, b):
+            ax.tick_params(axis="x", labelrotation=20, labelsize=8)
     fig.suptitle("inferlab router: policies on K shared system prompts × questions")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+@contextlib.contextmanager
+def served_many(cmds: list[list[str]], bases: list[str], logs: list[Path], env: dict, timeout_s: float = 180.0):
+    """Start every server at once (their start-ups overlap), then wait for each."""
+    procs = []
+    try:
+        for cmd, log in zip(cmds, logs):
+            with open(log, "wb") as fh:
+                procs.append(subprocess.Popen(cmd, env={**os.environ, **env}, stdout=fh, stderr=subprocess.STDOUT,
+                                              stdin=subprocess.DEVNULL, start_new_session=True))  # fmt: skip
+        for proc, base, log in zip(procs, bases, logs):
+            wait_ready(proc, base, timeout_s, log)
+        yield bases
+    finally:
+        for proc in procs:
+            stop_group(proc, grace_s=5)
+
+
+def compare(launcher: list[str], env: dict, bases: list[str], items: list[tuple[str, str]], args: argparse.Namespace,
+            policies: list[str], tmp: Path, tag: str, concurrency: int) -> list[dict]:  # fmt: skip
+    """Every policy behind its own router over `bases`, alternated over the repeats; medians."""
+    runs: dict[str, list[dict]] = {pol: [] for pol in policies}
+    run_args = argparse.Namespace(**{**vars(args), "concurrency": concurrency})
+    for rep, policy in ((r, pol) for r in range(args.repeats) for pol in policies):
+        port = free_port()
+        cmd = [*launcher, "router", "--port", str(port), "--policy", policy, "--log-level", "warning"]
+        for b in bases:
+            cmd += ["--backend", b]
+        if args.tokenizer:
+            cmd += ["--tokenizer", args.tokenizer]
+        base = f"http://127.0.0.1:{port}"
+        with served(cmd, base, tmp / f"router-{tag}-{policy}.log", env=env, timeout_s=120):
+            deadline = time.monotonic() + 60
+            while httpx.get(base + "/health", timeout=5).json().get("replicas", {}) != {b: "healthy" for b in bases}:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the router did not see every replica ready")
+                time.sleep(0.2)
+            time.sleep(1.0)  # a probe round or two: the KV event feeds synced
+            results, wall = asyncio.run(drive(base, items, run_args, salt=f"{tag}-{policy}-{uuid.uuid4().hex}"))
+            # only cache-aware looks prompts up in the index (the others predict nothing)
+            predicted = router_predicted_share(base) if policy == "cache-aware" else None
+        runs[policy].append(row(policy, results, wall, predicted))
+        print(f"{tag} {policy} (run {rep + 1}/{args.repeats}): {len(results)} requests in {wall:.1f} s", flush=True)
+    return [median_rows(runs[pol]) for pol in policies]
+
+
+def calibrate(launcher: list[str], env: dict, args: argparse.Namespace, tmp: Path) -> Path:
+    """A step profile of the default model here, one thread, fitted and saved: the simulator's
+    and the simulated replicas' clock."""
+    cost = tmp / "cost.json"
+    cmd = [*launcher, "simulate", "--calibrate-engine", "--profile-out", str(tmp / "profile.json"), "--save-cost-model",
+           str(cost), "--num-threads", str(args.num_threads), "--profile-max-batch", str(args.calibrate_max_batch),
+           "--profile-max-prefill", str(args.calibrate_max_prefill)]  # fmt: skip
+    if args.model:
+        cmd += ["--model", args.model]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, env={**os.environ, **env}, check=True, stdout=subprocess.DEVNULL)
+    print(f"calibrated the step cost model in {time.perf_counter() - t0:.0f} s", flush=True)
+    return cost
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--policies", default="cache-aware,least-load,round-robin")
     p.add_argument("--systems", type=int, default=4, help="K shared system prompts")
-    p.add_argument("--questions", type=int, default=16, help="questions per system prompt")
+    p.add_argument("--questions", type=int, default=12, help="questions per system prompt")
     p.add_argument("--system-words", type=int, default=300, help="words per system prompt (~1.2 tokens each)")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=16)
@@ -250,67 +320,80 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", default=None, help="--tokenizer for the router (default: the replicas' /tokenize)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="runs per policy, alternated; medians reported")
-    p.add_argument("--max-seconds-per-policy", type=float, default=600.0,
-                   help="a policy's run sends no new request after this long (default 600)")
+    p.add_argument("--max-seconds-per-policy", type=float, default=75.0,
+                   help="a policy's run sends no new request after this long (default 75)")
     p.add_argument("--sim-cost-model", type=Path, default=None,
-                   help="a saved linear step cost (inferlab simulate --save-cost-model): the simulator's rows beside")
-    p.add_argument("--out", type=Path, default=None, help="write the table (markdown) and the rows (JSON beside it)")
+                   help="a saved linear step cost (inferlab simulate --save-cost-model) instead of calibrating here")
+    p.add_argument("--calibrate-max-batch", type=int, default=8, help="the calibration's largest decode batch")
+    p.add_argument("--calibrate-max-prefill", type=int, default=512, help="the calibration's longest prompt")
+    p.add_argument("--sim-replicas", type=int, default=16, help="simulated replicas for the second comparison (0: none)")
+    p.add_argument("--sim-systems", type=int, default=16, help="K there")
+    p.add_argument("--sim-questions", type=int, default=8, help="questions per system prompt there")
+    p.add_argument("--sim-concurrency", type=int, default=32)
+    p.add_argument("--out", type=Path, default=None, help="write the tables (markdown) and the rows (JSON beside it)")
     p.add_argument("--png", type=Path, default=None, help="draw cached share and TTFT per policy here (matplotlib)")
     args = p.parse_args(argv)
     policies = [x for x in args.policies.split(",") if x]
 
     launcher = [sys.executable, "-m", "inferlab.cli"]
     env = {"PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    items = workload(args)
-    runs: dict[str, list[dict]] = {pol: [] for pol in policies}
-    sim_shape = None
-    with tempfile.TemporaryDirectory(prefix="inferlab-router-bench-") as tmp, contextlib.ExitStack() as stack:
-        bases = []
-        for i in range(args.replicas):
-            port = free_port()
+    sections: list[tuple[str, list[dict]]] = []
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="inferlab-router-bench-") as tmp_name:
+        tmp = Path(tmp_name)
+        cost = args.sim_cost_model or calibrate(launcher, env, args, tmp)
+        # (1) real replicas of the model
+        items = workload(args)
+        ports = [free_port() for _ in range(args.replicas)]
+        bases = [f"http://127.0.0.1:{port}" for port in ports]
+        cmds = []
+        for port in ports:
             cmd = [*launcher, "serve", "--port", str(port), "--num-threads", str(args.num_threads), "--log-level", "warning"]
-            if args.model:
-                cmd += ["--model", args.model]
-            base = f"http://127.0.0.1:{port}"
-            stack.enter_context(served(cmd, base, Path(tmp) / f"replica{i}.log", env=env))
-            bases.append(base)
-        for base in bases:  # warm: the first request of a process pays one-off costs
-            httpx.post(base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                            "max_tokens": 2}, timeout=300).raise_for_status()  # fmt: skip
-        if args.sim_cost_model:
+            cmds.append(cmd + (["--model", args.model] if args.model else []))
+        with served_many(cmds, bases, [tmp / f"replica{i}.log" for i in range(args.replicas)], env, timeout_s=600):
+            for base in bases:  # warm: the first request of a process pays one-off costs
+                httpx.post(base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                                "max_tokens": 2}, timeout=300).raise_for_status()  # fmt: skip
             info = httpx.get(bases[0] + "/server_info", timeout=30).json()["kv_cache"]
-            sim_shape = (*shared_prefix_tokens(bases[0], items[0][0]), info["num_blocks"], info["block_size"])
-        for rep, policy in ((r, pol) for r in range(args.repeats) for pol in policies):
-            port = free_port()
-            cmd = [*launcher, "router", "--port", str(port), "--policy", policy, "--log-level", "warning"]
-            for b in bases:
-                cmd += ["--backend", b]
-            if args.tokenizer:
-                cmd += ["--tokenizer", args.tokenizer]
-            base = f"http://127.0.0.1:{port}"
-            with served(cmd, base, Path(tmp) / f"router-{policy}.log", env=env, timeout_s=120):
-                deadline = time.monotonic() + 60
-                while httpx.get(base + "/health", timeout=5).json().get("replicas", {}) != {b: "healthy" for b in bases}:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("the router did not see every replica ready")
-                    time.sleep(0.2)
-                results, wall = asyncio.run(drive(base, items, args, salt=f"{policy}-{uuid.uuid4().hex}"))
-                # only cache-aware looks prompts up in the index (the others predict nothing)
-                predicted = router_predicted_share(base) if policy == "cache-aware" else None
-            runs[policy].append(row(policy, results, wall, predicted))
-            print(f"{policy} (run {rep + 1}/{args.repeats}): {len(results)} requests in {wall:.1f} s", flush=True)
-    rows = [median_rows(runs[pol]) for pol in policies]
-    if sim_shape is not None:
-        rows += simulated_rows(args, *sim_shape, policies)
-    text = table(rows)
+            shape = (*shared_prefix_tokens(bases[0], items[0][0]), info["num_blocks"], info["block_size"])
+            rows = compare(launcher, env, bases, items, args, policies, tmp, "real", args.concurrency)
+        rows += simulated_rows(cost, shape, policies, replicas=args.replicas, systems=args.systems,
+                               questions=args.questions, concurrency=args.concurrency, max_tokens=args.max_tokens,
+                               seed=args.seed)  # fmt: skip
+        sections.append((f"{args.replicas} replicas of the model (--num-threads {args.num_threads}), K={args.systems} "
+                         f"system prompts × {args.questions} questions, concurrency {args.concurrency}", rows))
+        # (2) simulated replicas on the calibrated clock, the replicas' own KV cache size
+        if args.sim_replicas:
+            sim_args = argparse.Namespace(**{**vars(args), "systems": args.sim_systems, "questions": args.sim_questions})
+            ports = [free_port() for _ in range(args.sim_replicas)]
+            bases = [f"http://127.0.0.1:{port}" for port in ports]
+            cmds = [[*launcher, "serve", "--simulate", str(cost), "--port", str(port), "--num-kv-blocks",
+                     str(info["num_blocks"]), "--log-level", "warning"] for port in ports]  # fmt: skip
+            with served_many(cmds, bases, [tmp / f"sim{i}.log" for i in range(len(ports))], env):
+                rows = compare(launcher, env, bases, workload(sim_args), sim_args, policies, tmp, "sim",
+                               args.sim_concurrency)  # fmt: skip
+                hot_args = argparse.Namespace(**{**vars(sim_args), "systems": 1,
+                                                 "questions": args.sim_systems * args.sim_questions})  # fmt: skip
+                hot = compare(launcher, env, bases, workload(hot_args), hot_args, policies, tmp, "hot",
+                              args.sim_concurrency)  # fmt: skip
+            rows += simulated_rows(cost, shape, policies, replicas=args.sim_replicas, systems=args.sim_systems,
+                                   questions=args.sim_questions, concurrency=args.sim_concurrency,
+                                   max_tokens=args.max_tokens, seed=args.seed)  # fmt: skip
+            sections.append((f"{args.sim_replicas} simulated replicas (serve --simulate, calibrated clock), "
+                             f"K={args.sim_systems} × {args.sim_questions}, concurrency {args.sim_concurrency}", rows))
+            sections.append((f"the same {args.sim_replicas} simulated replicas, one hot system prompt for all "
+                             f"{args.sim_systems * args.sim_questions} requests (it must spread)", hot))
+    text = "\n\n".join(f"### {title}\n\n{table(rows)}" for title, rows in sections)
     print(text)
+    print(f"whole run: {time.perf_counter() - t_start:.0f} s")
     if args.png:
-        plot(rows, args.png)
+        plot(sections, args.png)
         print(f"plot written to {args.png}")
     if args.out:
-        args.out.write_text(f"`benchmarks/router_bench.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n\n{text}\n")
+        cmdline = " ".join(argv if argv is not None else sys.argv[1:])
+        args.out.write_text(f"`benchmarks/router_bench.py {cmdline}`\n\n{text}\n")
         args.out.with_suffix(".json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                             "rows": rows, "runs": runs}, indent=1))  # fmt: skip
+                                                             "sections": sections}, indent=1))  # fmt: skip
     return 0
 
 

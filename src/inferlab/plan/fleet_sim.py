@@ -52,7 +52,7 @@ from inferlab.engine.scheduler import Scheduler
 from inferlab.plan.cost_model import StepCostModel, shape_of
 from inferlab.plan.simulator import SimTrace, SimWorkload, VirtualClock, _sample, _token_ids
 from inferlab.router.fleet import Fleet
-from inferlab.router.policies import make_policy
+from inferlab.router.policies import Policy, make_policy
 from inferlab.router.replica import ReplicaInfo, Ticket
 
 
@@ -189,7 +189,7 @@ def simulate_fleet(
     cost_model: StepCostModel,
     *,
     replicas: int,
-    policy: str,
+    policy: str | Policy,
     num_shared_prefixes: int = 1,
     kv_poll_s: float = 0.5,
     max_events: int = 10_000_000,
@@ -212,7 +212,8 @@ def simulate_fleet(
     else:
         names = [f"prefill-{i}" for i in range(dis.prefill_replicas)]
         decode_names = [f"decode-{i}" for i in range(dis.decode_replicas)]
-    fleet = Fleet(names, make_policy(policy), clock=clock)  # the router sees the replicas that take prompts
+    # the router sees the replicas that take prompts
+    fleet = Fleet(names, make_policy(policy) if isinstance(policy, str) else policy, clock=clock)
     reps: dict[str, _Replica] = {}
     for n in names + decode_names:
         sched = Scheduler(scheduler_config, cache_config, num_blocks, clock=clock)
@@ -397,7 +398,8 @@ def simulate_fleet(
         raise ValueError(f"the fleet simulation did not finish within {max_events} events")
 
     ordered = sorted(traces.values(), key=lambda t: t.index)
-    return FleetSimResult(policy, ordered, {n: r.requests for n, r in reps.items()}, reasons, predicted,
+    return FleetSimResult(policy if isinstance(policy, str) else policy.name, ordered,
+                          {n: r.requests for n, r in reps.items()}, reasons, predicted,
                           disaggregation=dis, kv_transfer_s=transfers,
                           num_preemptions=sum(r.sched.num_preemptions for r in reps.values()))
 

@@ -4,6 +4,7 @@
     inferlab serve --model m.gguf --served-model-name mymodel --port 8080 --api-key secret
     inferlab serve --api-keys keys.json   # tenants: keys, limits, prefix-cache isolation (server/tenants.py)
     inferlab serve --replicas 2 --replica-cpus 1   # several engine replicas on Ray Serve (ray_serve/)
+    inferlab serve --simulate profile.json --port 8001   # a simulated replica: no model, no torch (sim_engine.py)
 
 The server listens at once and /health answers 503 while the model loads. SIGTERM (or Ctrl-C)
 stops accepting connections, lets in-flight requests finish for up to --shutdown-timeout
@@ -71,6 +72,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(Qwen3, DeepSeek-R1; chat_template_kwargs {\"enable_thinking\": false} turns Qwen3's off)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice auto is always on")
+    p.add_argument("--simulate", metavar="PROFILE.json", default=None,
+                   help="a simulated replica: the real scheduler and prefix cache, steps timed by this step profile "
+                        "(inferlab simulate --calibrate-engine --profile-out) or saved cost model, placeholder words "
+                        "for tokens; the model's tokenizer only (no weights, no torch), for router tests and benchmarks")
     p.add_argument("--log-prompts", action="store_true", help="include prompt text in the request log lines")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])  # fmt: skip
     from inferlab.ray_serve.launch import add_arguments as add_replica_arguments
@@ -137,6 +142,16 @@ def run(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
     )
+
+    if args.simulate is not None:
+        if scale is not None:
+            raise ValueError("--simulate runs one simulated replica; start several on their own ports instead of "
+                             "--replicas")
+        from inferlab.server.sim_engine import SimulatedEngine, load_step_clock
+
+        cost = load_step_clock(args.simulate)  # a bad file: one line, before anything starts
+        app = build_app(lambda: SimulatedEngine(config, cost), settings)
+        return run_server(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
 
     if scale is not None:
         from inferlab.ray_serve.launch import run_replicas
