@@ -189,8 +189,9 @@ class TensorParallelGroup:
     checks the ranks before each step, stops them (`shutdown`, also when it is collected and at
     exit: no rank outlives the engine)."""
 
-    def __init__(self, spec: RankSpec, shards: list[TPShard]):
+    def __init__(self, spec: RankSpec, shards: list[TPShard], threads_before: int):
         self.spec = spec
+        self.threads_before = threads_before  # this process's torch threads before it took its share
         self.shards = shards
         self.comm = TorchCollectives(0, spec.world, torch.device(spec.precision.device))
         ctx = torch.multiprocessing.get_context("spawn")
@@ -220,7 +221,8 @@ class TensorParallelGroup:
         if torch.device(precision.device).type == "cuda" and torch.cuda.device_count() < world:
             raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs, this machine has "
                              f"{torch.cuda.device_count()}")
-        total = config.num_threads or torch.get_num_threads()
+        before = torch.get_num_threads()
+        total = config.num_threads or before
         threads = max(1, total // world)
         torch.set_num_threads(threads)
         shards = plan_shards(model, world)
@@ -228,7 +230,7 @@ class TensorParallelGroup:
         init_dir = tempfile.mkdtemp(prefix="inferlab-tp-")
         spec = RankSpec(config.load, config.cache, None if model_path is None else str(model_path), world,
                         os.path.join(init_dir, "store"), threads, num_blocks(model), precision)
-        return cls(spec, shards)
+        return cls(spec, shards, before)
 
     @property
     def pids(self) -> list[int]:
@@ -295,6 +297,7 @@ class TensorParallelGroup:
                 self._stop_wait[0] = STOP_WAIT_S
         self._finalizer()
         self.comm.leave()
+        torch.set_num_threads(self.threads_before)
 
 
 class _Failures:
