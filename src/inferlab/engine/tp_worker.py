@@ -311,7 +311,7 @@ class _Failures:
         if dead is not None:
             raise TensorParallelError(dead)
 
-    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
         if exc is not None and isinstance(exc, RuntimeError) and not isinstance(exc, TensorParallelError):
             for p in self.group.procs:  # a rank that died mid-collective may take a moment to be reaped
                 p.join(timeout=2.0)
@@ -319,7 +319,6 @@ class _Failures:
                     break
             dead = self.group.dead_rank()
             raise TensorParallelError(dead or f"a tensor-parallel collective failed: {exc}") from exc
-        return False
 
 
 def _stop_ranks(procs: list[Any], init_file: str, wait: list[float]) -> None:
