@@ -3,8 +3,8 @@
 1. Correctness, float32: greedy tokens of TP=2 against TP=1 on a few chat prompts, and the
    largest |logit difference| over every row sampled (the issue's bar: equal tokens, < 1e-4).
 2. Cost on this machine's 2 cores, float32: decode tok/s of one stream and of 8 streams for
-   TP=1 (2 threads, the whole-step decode kernel), TP=1 per operator (2 threads, the path a
-   rank runs: the fused layer, no whole-step kernel) and TP=2 (1 thread a rank); medians of
+   TP=1 (2 threads, the whole-step decode kernel), TP=1 on the "fused" backend (2 threads, the
+   path a rank runs: the fused layer, no whole-step kernel) and TP=2 (1 thread a rank); medians of
    --runs runs, the systems alternated within each run.
 3. Why: the collectives a decode step makes (2 all-reduces a layer + 1 for the embedding, the
    logits gather, the step message and the rows to score) times their latency, measured with
@@ -32,7 +32,6 @@ from pathlib import Path
 import torch
 
 from inferlab import LLM, SamplingParams
-from inferlab.models import decoder as decoder_module
 
 CHECK_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
                  "Explain what a KV cache is in two sentences.", "List three prime numbers."]
@@ -61,19 +60,15 @@ class Engine:
     """One engine of the comparison, with the thread count it runs at (torch's is per process:
     set again before each of its runs, since a TP engine sets this process's to its share)."""
 
-    def __init__(self, name: str, tp: int, threads: int, per_operator: bool = False):
-        self.name, self.tp, self.threads, self.per_operator = name, tp, threads, per_operator
+    def __init__(self, name: str, tp: int, threads: int, decoder_backend: str = "auto"):
+        self.name, self.tp, self.threads = name, tp, threads
         self.llm = LLM(None, dtype="float32", tensor_parallel_size=tp, num_threads=2, max_num_seqs=16,
-                       kv_cache_memory=256 << 20)
+                       kv_cache_memory=256 << 20, decoder_backend=decoder_backend)
         self.pids = [os.getpid(), *(self.llm.engine.parallel.pids if self.llm.engine.parallel else [])]
 
     def generate(self, prompts, params):
         torch.set_num_threads(self.threads)
-        decoder_module.USE_DECODE_STEP = not self.per_operator
-        try:
-            return self.llm.generate(prompts, params, use_prefix_cache=False)
-        finally:
-            decoder_module.USE_DECODE_STEP = True
+        return self.llm.generate(prompts, params, use_prefix_cache=False)
 
 
 def check(tp1: Engine, tp2: Engine, tokens: int) -> tuple[bool, float]:
@@ -187,7 +182,7 @@ def main() -> None:
     if args.check_only:
         finish(args.out, lines, [tp1, tp2])
         return
-    per_op = Engine("TP=1 per operator (2 threads)", 1, 2, per_operator=True)
+    per_op = Engine("TP=1 fused, no step kernel (2 threads)", 1, 2, decoder_backend="fused")
     engines = [tp1, per_op, tp2]
 
     rates: dict[tuple[str, int], list[float]] = {}
@@ -227,12 +222,12 @@ def main() -> None:
         extra = step_ms[(tp2.name, streams)] - step_ms[(per_op.name, streams)]
         say(f"- {streams} stream(s): an all-reduce takes {ar:.0f} µs, a message {msg:.0f} µs between two "
             f"1-thread gloo ranks: {per_step} x {ar:.0f} + 2 x {msg:.0f} + a gather ≈ {comm_ms:.2f} ms a step; "
-            f"TP=2's step is {extra:+.2f} ms against TP=1 per operator "
+            f"TP=2's step is {extra:+.2f} ms against TP=1 fused "
             f"({step_ms[(tp2.name, streams)] - step_ms[(tp1.name, streams)]:+.2f} ms against TP=1)")
     say("- the rest: each rank reads half the weights on one core, TP=1 all of them on two, so the "
         "compute is a wash on one machine; SmolLM2's 3 KV heads split 2 + 1, so rank 0 does twice "
         "rank 1's attention; the whole-step decode kernel (TP=1) saves the per-operator dispatch a "
-        "rank pays, which the 'per operator' row isolates")
+        "rank pays, which the 'fused' row isolates")
     finish(args.out, lines, engines)
 
 

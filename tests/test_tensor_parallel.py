@@ -41,10 +41,10 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _model(tmp_path_factory, "llama")
 
 
-def _run(model: Path, tp: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+def _run(model: Path, tp: int, **settings) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy tokens of PROMPTS and every logits tensor the engine sampled from (the warm-up's
     too), at tensor_parallel_size `tp`."""
-    with LLM(str(model), tensor_parallel_size=tp, **ENGINE) as llm:
+    with LLM(str(model), tensor_parallel_size=tp, **{**ENGINE, **settings}) as llm:
         seen: list[torch.Tensor] = []
         model_ = llm.engine.runner.model
         inner = model_.compute_logits
@@ -118,11 +118,12 @@ def test_tp2_gives_tp1s_greedy_tokens_and_logits_on_every_architecture(tmp_path_
 
 
 @pytest.mark.timeout(120)
-def test_tp2_on_heads_that_two_does_not_divide(tmp_path_factory):
-    # 6 query heads over 3 KV heads (SmolLM2's 3:1 groups): ranks of 2 + 1 KV heads.
+def test_tp2_on_heads_that_two_does_not_divide_and_on_the_plain_torch_backends(tmp_path_factory):
+    # 6 query heads over 3 KV heads (SmolLM2's 3:1 groups): ranks of 2 + 1 KV heads; the ranks on
+    # the eager layers and SDPA decode attention (the other tests: fused layers, the paged kernel).
     model = _model(tmp_path_factory, "llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=96)
     tokens1, logits1 = _run(model, 1)
-    tokens2, logits2 = _run(model, 2)
+    tokens2, logits2 = _run(model, 2, decoder_backend="eager", attention_backend="sdpa")
     assert tokens2 == tokens1
     assert max(float((a - b).abs().max()) for a, b in zip(logits1, logits2)) < 1e-4
 

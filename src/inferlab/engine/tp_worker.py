@@ -47,9 +47,9 @@ import torch.distributed as dist
 
 from inferlab.config import CacheConfig, EngineConfig, LoadConfig, ModelConfig
 from inferlab.models.attention import AttentionMetadata, meta_to
-from inferlab.models.kv_cache import KVCache, allocate_kv_cache
 from inferlab.models.backends import Backends
 from inferlab.models.decoder import DecoderModel
+from inferlab.models.kv_cache import KVCache, allocate_kv_cache
 from inferlab.models.precision import ResolvedPrecision
 from inferlab.models.tp import TPShard, build_shard, check_tensor_parallel, describe_shards, plan_shards, tp_backends
 

@@ -33,6 +33,7 @@ here knows about processes.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -143,7 +144,7 @@ def local_config(config: ModelConfig, shard: TPShard) -> ModelConfig:
                                intermediate_size=shard.intermediate.size, vocab_size=shard.vocab_rows)
 
 
-def shard_weights(config: ModelConfig, weights: dict[str, torch.Tensor | Int4Weight],
+def shard_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor | Int4Weight],
                   shard: TPShard) -> dict[str, torch.Tensor]:
     """The HF-named weights of rank `shard.rank`, cut as the module docstring says (views where
     they can be): q/k/v (and their biases) and gate/up by output rows, o_proj and down_proj by
