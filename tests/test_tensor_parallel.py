@@ -70,14 +70,16 @@ def test_plan_shards_even_split_by_heads_intermediate_and_vocabulary():
     assert (a.vocab, b.vocab, a.vocab_rows) == (Span(0, 192), Span(192, 384), 192)
 
 
-def test_plan_shards_uneven_heads_go_by_whole_kv_groups_and_the_vocabulary_is_padded():
+def test_plan_shards_uneven_heads_go_by_whole_kv_groups_the_mlp_by_whole_groups_the_vocabulary_padded():
     # SmolLM2-135M's heads (9 over 3 KV heads) at 2 ranks: 2 + 1 KV heads with their 3 query heads each.
     config = tiny_model_config("llama", num_attention_heads=9, num_key_value_heads=3, hidden_size=72,
-                               vocab_size=385)
+                               vocab_size=385, intermediate_size=192)
     a, b = plan_shards(config, 2)
     assert (a.kv_heads, b.kv_heads) == (Span(0, 2), Span(2, 3))
     assert (a.heads, b.heads) == (Span(0, 6), Span(6, 9))
     assert (a.vocab, b.vocab, b.vocab_rows) == (Span(0, 193), Span(193, 385), 193)
+    # whole groups of 64 columns (int4 / w8a8 quantize down_proj's input in groups): 128 + 64
+    assert (a.intermediate, b.intermediate) == (Span(0, 128), Span(128, 192))
 
 
 def test_a_size_that_cannot_split_the_heads_is_refused_naming_both_numbers_before_any_weight_loads(

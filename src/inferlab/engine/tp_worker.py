@@ -106,8 +106,9 @@ class TorchCollectives:
     def __init__(self, rank: int, world: int, device: torch.device):
         self.rank, self.world, self.device = rank, world, device
         self.control: Any = None  # the gloo group of the step messages, once joined
-        # gloo sums no bfloat16 / float16 (and float32 sums are what we want anyway): those
-        # tensors are all-reduced in float32 and converted back. NCCL sums them natively.
+        # 16-bit tensors are all-reduced in float32 on gloo and converted back: older gloo builds
+        # sum no bfloat16, and the one in torch 2.13 (which does) rounds to 16 bits at every hop
+        # of its ring, where a float32 sum rounds once. NCCL sums them natively.
         self.float32_reduce = device.type == "cpu"
 
     def join(self, init_file: str, timeout_s: float) -> None:

@@ -78,11 +78,20 @@ class TPShard:
     vocab_rows: int
 
 
-def _balanced(n: int, world: int) -> list[Span]:
-    """n rows dealt out to `world` ranks in contiguous spans whose sizes differ by at most one."""
+# The intermediate dimension is dealt out in units of this many columns where it divides, so a
+# rank's down_proj keeps whole quantization groups (int4: 32, w8a8: 64 input values a group).
+INTERMEDIATE_UNIT = 64
+
+
+def _balanced(n: int, world: int, unit: int = 1) -> list[Span]:
+    """n rows dealt out to `world` ranks in contiguous spans of whole `unit`s (where `unit`
+    divides n; else single rows) whose sizes differ by at most one unit."""
+    if n % unit:
+        unit = 1
+    units = n // unit
     spans, start = [], 0
     for r in range(world):
-        size = n // world + (1 if r < n % world else 0)
+        size = (units // world + (1 if r < units % world else 0)) * unit
         spans.append(Span(start, start + size))
         start += size
     return spans
@@ -105,7 +114,7 @@ def plan_shards(config: ModelConfig, world: int) -> list[TPShard]:
     check_tensor_parallel(config, world)
     group = config.num_heads // config.num_kv_heads
     kv = _balanced(config.num_kv_heads, world)
-    inter = _balanced(config.intermediate_size, world)
+    inter = _balanced(config.intermediate_size, world, INTERMEDIATE_UNIT)
     rows = -(-config.vocab_size // world)
     return [TPShard(r, world, kv[r], Span(kv[r].start * group, kv[r].stop * group), inter[r],
                     Span(min(r * rows, config.vocab_size), min((r + 1) * rows, config.vocab_size)), rows)
