@@ -248,13 +248,26 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over processes (engine/tp_worker.py, models/tp.py)."""
+
+    tensor_parallel_size: int = 1  # ranks the layers are split over; 1: one process, as without
+
+    def __post_init__(self) -> None:
+        n = self.tensor_parallel_size
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {n!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, grouped by concern."""
 
     load: LoadConfig = field(default_factory=LoadConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    num_threads: int | None = None  # torch intra-op threads; None = all cores
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    num_threads: int | None = None  # torch intra-op threads (all ranks together); None = all cores
     # Seconds between returns of the C heap's free pages to the OS while busy (and at every idle
     # point); None = never. Bounds RSS growth from fragmentation (see engine/heap.py).
     heap_trim_interval_s: float | None = 5.0

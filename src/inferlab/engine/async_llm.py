@@ -440,6 +440,10 @@ class AsyncLLM:
             self._fail_all(EngineDeadError(f"the engine loop stopped: {e}"))
         else:
             self._fail_all(RequestAbortedError("the server shut down before the request finished"))
+        finally:
+            stop = getattr(self.engine, "shutdown", None)  # LLMEngine's: its tensor-parallel ranks
+            if stop is not None:
+                stop()
 
     def _loop(self) -> None:
         engine = self.engine

@@ -24,6 +24,7 @@ from inferlab.config import (
     CacheConfig,
     EngineConfig,
     LoadConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
@@ -87,6 +88,7 @@ class EngineArgs:
     # Speculative decoding: a dict or its JSON text, e.g. {"method": "ngram", "num_speculative_tokens": 4}.
     speculative_config: dict[str, Any] | str | None = None
     chat_template: str | None = None  # a file holding a Jinja chat template, or the template itself
+    tensor_parallel_size: int = 1  # processes the layers are split over (engine/tp_worker.py)
 
     def create_engine_config(self) -> EngineConfig:
         """The frozen EngineConfig (its dataclasses validate every value: one ValueError naming it)."""
@@ -101,6 +103,7 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_model_len=self.max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
                                       long_prefill_token_threshold=self.long_prefill_token_threshold),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             num_threads=self.num_threads,
             heap_trim_interval_s=self.heap_trim_interval_s,
             sampling_defaults=self.sampling_defaults,
@@ -171,7 +174,12 @@ _FLAGS: list[tuple[str, tuple[str, ...], dict[str, Any]]] = [
     ("enable_prefix_caching", ("--no-prefix-caching",), dict(action="store_false", default=True,
                                                              help="turn off reuse of cached prompt prefixes")),
     ("seed", ("--seed",), dict(type=int, default=_D.seed, help="seeds dummy weights and the sampler's generator")),
-    ("num_threads", ("--num-threads",), dict(type=int, default=None, help="torch threads (default: all cores)")),
+    ("num_threads", ("--num-threads",), dict(type=int, default=None,
+                                             help="torch threads, all ranks together (default: all cores)")),
+    ("tensor_parallel_size", ("--tensor-parallel-size",),
+     dict(type=int, default=_D.tensor_parallel_size,
+          help="split every layer over this many processes (heads, MLP, vocabulary; an all-reduce after "
+               "o_proj and down_proj), each with --num-threads / N threads (default 1)")),
     ("heap_trim_interval_s", ("--heap-trim-interval",),
      dict(type=float, default=_D.heap_trim_interval_s,
           help="seconds between returns of freed C-heap pages to the OS while busy, and at every idle point "

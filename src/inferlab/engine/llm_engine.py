@@ -10,7 +10,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,7 +21,7 @@ from inferlab.engine.errors import ContextLengthError
 from inferlab.engine.generation_config import resolve_sampling_defaults
 from inferlab.engine.heap import HeapTrimmer
 from inferlab.engine.kv_events import KVEventLog
-from inferlab.engine.model_runner import ModelRunner
+from inferlab.engine.model_runner import ModelRunner, num_kv_blocks
 from inferlab.engine.output_processor import OutputProcessor
 from inferlab.engine.outputs import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from inferlab.engine.request import (
@@ -41,11 +41,28 @@ from inferlab.models.precision import resolve_precision
 from inferlab.models.registry import resolve_model
 from inferlab.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from inferlab.engine.tp_worker import TensorParallelGroup
+
 logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        self.parallel: TensorParallelGroup | None = None  # tensor parallel: the other ranks
+        try:
+            self._build(config)
+        except BaseException:
+            self.shutdown()  # no rank outlives an engine that failed to start
+            raise
+
+    def shutdown(self) -> None:
+        """Stop what the engine started besides this thread (the tensor-parallel ranks); the
+        engine cannot step afterwards. Idempotent."""
+        if self.parallel is not None:
+            self.parallel.shutdown()
+
+    def _build(self, config: EngineConfig) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         load = config.load
@@ -55,6 +72,12 @@ class LLMEngine:
         # the loader, the runner and the decoder take it as it is.
         self.precision = resolve_precision(load, config.cache)
         resolved = resolve_model(load.model) if load.load_format != "dummy" or load.model else None
+        if config.parallel.tensor_parallel_size > 1:  # checks the heads split, before any weight loads
+            from inferlab.engine.tp_worker import TensorParallelGroup
+
+            self.parallel = TensorParallelGroup.start(
+                config, self.precision, resolved.path if resolved is not None else None,
+                lambda m: num_kv_blocks(config.cache, self.precision.kv_bytes_per_token(m)))
         loaded = load_model(load, resolved.path if resolved is not None else None, precision=self.precision)
         self.model_config = loaded.config
         self.model_name = (resolved.name if resolved is not None else "") or loaded.config.name or "model"
@@ -73,9 +96,11 @@ class LLMEngine:
 
         logger.info("%s", self.precision.describe(loaded.config))
         self.backends = select_backends(self.precision, loaded.config, load.decoder_backend, load.attention_backend)
+        if self.parallel is not None:
+            self.backends = self.parallel.backends(self.backends)  # no whole-step kernel across ranks
         logger.info("%s", self.backends.describe())
         self.runner = ModelRunner(loaded.config, loaded.weights, self.precision, config.cache, seed=load.seed,
-                                  backends=self.backends)
+                                  backends=self.backends, parallel=self.parallel)
         del loaded
         self.num_blocks = self.runner.num_blocks
         pool_tokens = self.num_blocks * config.cache.block_size
@@ -179,6 +204,7 @@ class LLMEngine:
             "kernels": self.precision.kernel.as_dict(),
             "backends": self.backends.as_dict(),
             "device": str(self.runner.device),
+            "tensor_parallel_size": self.config.parallel.tensor_parallel_size,
             "sampling_defaults": self.sampling_defaults.as_dict(),
             "model_path": str(self.model_path) if self.model_path is not None else None,
         }

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,6 +42,9 @@ from inferlab.models.backends import Backends, select_backends
 from inferlab.models.decoder import DecoderModel
 from inferlab.models.kv_cache import allocate_kv_cache
 from inferlab.models.precision import ResolvedPrecision, dtype_name
+
+if TYPE_CHECKING:
+    from inferlab.engine.tp_worker import TensorParallelGroup
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +79,7 @@ class ModelRunner:
         cache_config: CacheConfig,
         seed: int = 0,
         backends: Backends | None = None,
+        parallel: TensorParallelGroup | None = None,
     ):
         self.model_config = model_config
         self.precision = precision
@@ -82,12 +87,17 @@ class ModelRunner:
         self.backends = backends or select_backends(precision, model_config)
         self.device = torch.device(precision.device)
         self.block_size = cache_config.block_size
-        self.model = DecoderModel(model_config, weights, precision, self.backends)
+        # Tensor parallel (engine/tp_worker.py): rank 0's shard, which hands each call to the
+        # other ranks too, and a KV cache of its own KV heads; the pool's blocks (and so the
+        # scheduler's view) are the whole model's, the same on every rank.
+        self.model = (DecoderModel(model_config, weights, precision, self.backends) if parallel is None
+                      else parallel.rank0_model(model_config, weights, precision, self.backends))
         self.kv_bytes_per_token = precision.kv_bytes_per_token(model_config)
         self.num_blocks = num_kv_blocks(cache_config, self.kv_bytes_per_token)
+        assert parallel is None or parallel.spec.num_blocks == self.num_blocks  # the other ranks' pools
         self.kv_caches = allocate_kv_cache(
             model_config.num_layers,
-            model_config.num_kv_heads,
+            model_config.num_kv_heads if parallel is None else parallel.local_kv_heads(),
             model_config.head_dim,
             self.num_blocks * self.block_size,
             precision.kv_cache,  # the caches carry it on: every reader and writer takes it from them

@@ -76,12 +76,15 @@ def run(args: argparse.Namespace) -> int:
     from inferlab.entrypoints.llm import LLM
 
     llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
-    if messages is not None:
-        out = llm.chat(messages, params)[0]
-    elif args.raw:
-        out = llm.generate(args.prompt, params)[0]
-    else:
-        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    try:
+        if messages is not None:
+            out = llm.chat(messages, params)[0]
+        elif args.raw:
+            out = llm.generate(args.prompt, params)[0]
+        else:
+            out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    finally:
+        llm.shutdown()
     if args.json:
         n_out = sum(len(c.token_ids) for c in out.outputs)
         doc = {

@@ -33,6 +33,17 @@ class LLM:
         max_num_seqs=8; an unknown name is a TypeError naming it."""
         self.engine = LLMEngine(EngineArgs(model=model, **engine_args).create_engine_config())
 
+    def shutdown(self) -> None:
+        """Stop the processes the engine started (tensor-parallel ranks; they also stop when this
+        object is collected or the program exits)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
         return cls(**dataclasses.asdict(engine_args))
