@@ -140,3 +140,24 @@ def test_the_scheduler_asks_the_policy_only_when_adaptive():
         prefill(sched, r)
         so = sched.schedule()
         assert so.scheduled[0].num_draft_tokens == want, adaptive
+
+
+def test_copying_seen_by_probes_alone_turns_drafting_on_at_32_streams():
+    """Probes draft one token; if those are nearly always kept, deeper positions are expected to
+    be too, and a copy workload drafts at 32 streams (where a rate of 0.5 everywhere would not)."""
+    p = measured(0.0116, 0.00072)  # the Zen 5 figures: 34.6 ms for 32 rows, 0.72 ms a row
+    assert p.num_drafts("fresh", batch=32) == 0
+    for i in range(100):
+        p.observe_verdict(f"probe{i}", 1, 1 if i % 25 else 0)
+    assert p.best_drafts("next", batch=32) >= 2  # with 1/2 at the positions not seen: 1
+
+
+def test_new_requests_probe_staggered():
+    p = measured(0.0116, 0.00072)
+    every = p.probe_every(32)
+    first = {}
+    for step in range(every):
+        for i in range(32):
+            if p.num_drafts(f"r{i}", batch=32) and i not in first:
+                first[i] = step
+    assert len(first) == 32 and len(set(first.values())) > 16  # each probes within the interval, not all at once

@@ -17,7 +17,9 @@ expected to add outweigh the time they add. The rule, with measured numbers:
   engine-wide rate at that position as a prior of weight 2 (a chat workload whose drafts are
   rejected starts new requests low). Per position and not one α: copying is all or nothing
   (a copy's second draft is kept nearly always when its first was), chat's first draft is
-  the likeliest; one α would undercount the first and overcount the second;
+  the likeliest; one α would undercount the first and overcount the second. The engine-wide
+  rate at a position is itself centred on the position before (a position not yet drafted, as
+  after one-token probes, is expected to go like the last one seen);
 - k drafts are expected to add E(k) = α_1 + α_1·α_2 + ... + α_1···α_k tokens.
 
 With B requests in decode this step, S = a + b·B is the step without drafts: B tokens in S.
@@ -31,7 +33,8 @@ often as a gain, and at 32 streams that is where plain chat sits.
 A request the rule keeps from drafting still gets one draft now and then (a probe), so that
 its estimate follows a reply that turns to copying (else a low start would never be revised);
 probes are spaced so that they cost at most PROBE_SHARE of the step time (every PROBE_EVERY-th
-step at one stream) but come at least every PROBE_MAX-th step (the 64th at 32 streams). The
+step at one stream) but come at least every PROBE_MAX-th step (the 64th at 32 streams), a new
+request's first one staggered, so that even short replies at 32 streams probe. The
 engine-wide rates decay (TOTAL_DECAY per verdict), so the prior follows a workload that changes. At one stream on a CPU (b ≪ a) almost any acceptance
 pays; at 32 streams a row costs about as much as the tokens it might save, and only drafts
 accepted most of the time (copying) still pay.
@@ -93,6 +96,7 @@ class SpecPolicy:
     # Asked per request and step (32 times a step at 32 streams): kept until what they come from changes.
     _cost: tuple[float, float] | None = None
     _prior: list[float] | None = None
+    _arrivals: int = 0  # requests seen, to stagger their first probes
 
     # ------------------------------------------------------------------ what is measured
 
@@ -153,9 +157,13 @@ class SpecPolicy:
         """α_1..α_K for the request: at each position the chance a draft is kept given the ones
         before it were, its own record over the engine-wide one as a prior."""
         if self._prior is None:
-            t = self.total
-            self._prior = [(t.successes[j] + 1) / (t.trials[j] + 2) if j < len(t.trials) else 0.5
-                           for j in range(self.k)]
+            # Each position's prior is centred on the one before it (the first on 1/2): a position
+            # never drafted yet (probes draft one token) is expected to copy like the last seen.
+            t, self._prior, centre = self.total, [], 0.5
+            for j in range(self.k):
+                ts, tt = (t.successes[j], t.trials[j]) if j < len(t.trials) else (0.0, 0.0)
+                centre = (ts + 2 * centre) / (tt + 2)
+                self._prior.append(centre)
         r = self.requests.get(request_id)
         if r is None:
             return list(self._prior)
@@ -187,7 +195,10 @@ class SpecPolicy:
         rule's, or a probe of 1 every probe_every(batch)-th step the rule says 0."""
         k = self.best_drafts(request_id, batch)
         if k == 0:
-            n = self.skipped.get(request_id, 0) + 1
+            n = self.skipped.get(request_id)
+            if n is None:  # a new request: probes staggered over the batch, not all at once
+                n, self._arrivals = self._arrivals % PROBE_MAX, self._arrivals + 1
+            n += 1
             if n < self.probe_every(batch):
                 self.skipped[request_id] = n
                 return 0
