@@ -57,8 +57,9 @@ def test_array_search_is_the_counted_suffix_tree():
     import random
 
     rng = random.Random(0)
-    for trial in range(60):
-        seq = [rng.choice([1, 2, 3]) for _ in range(rng.randint(2, 40))]
+    for trial in range(64):
+        # The last few: long enough that one token ends over 64 candidates (narrowed one at a time).
+        seq = [rng.choice([1, 2, 3]) for _ in range(rng.randint(2, 40) if trial < 60 else 300)]
         if trial % 4 == 0:  # a corpus of several outputs (the context, then, not from it)
             seq[rng.randrange(len(seq))] = SEP
         context = seq if trial % 2 else [rng.choice([1, 2, 3]) for _ in range(6)]
