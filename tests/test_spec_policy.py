@@ -1,6 +1,6 @@
-"""The "when it pays" rule (engine/spec_policy.py): drafts only where E(k)·S > B·(b + c)·k, with
-the step cost fitted from measured steps, the proposer's measured cost and each request's
-acceptance; and the scheduler asking it (adaptive on) or not (off)."""
+"""The "when it pays" rule (engine/spec_policy.py): drafts only where E(k)·S > (1 + MARGIN)·B·(b + c)·k,
+with the step cost fitted from measured steps, the proposer's measured cost and each request's
+acceptance per position; and the scheduler asking it (adaptive on) or not (off)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from engine_factories import make_request, make_scheduler
 from test_spec_decode_core import PROMPT, prefill
 
 from inferlab.config import SpeculativeConfig
-from inferlab.engine.spec_policy import PROBE_EVERY, SpecPolicy
+from inferlab.engine.spec_policy import MARGIN, PROBE_EVERY, PROBE_MAX, SpecPolicy
 
 
 def measured(a: float, b: float, k: int = 4) -> SpecPolicy:
@@ -65,8 +65,27 @@ def test_many_streams_speculate_only_what_is_mostly_accepted():
 def test_a_request_kept_from_drafting_is_probed_now_and_then():
     p = measured(0.010, 0.0005)
     accepting(p, "chat", 0.1)
-    ks = [p.num_drafts("chat", batch=32) for _ in range(3 * PROBE_EVERY)]
+    every = p.probe_every(32)
+    ks = [p.num_drafts("chat", batch=32) for _ in range(3 * every)]
     assert ks.count(1) == 3 and ks.count(0) == len(ks) - 3
+    # Probes at 32 streams are rarer (each is a row of a dear step), but not never.
+    assert PROBE_EVERY == p.probe_every(1) < p.probe_every(32) <= PROBE_MAX
+
+
+def test_acceptance_is_per_position():
+    """Copying is all or nothing: a second draft is kept whenever the first was. One α over all
+    positions would expect 0.8 + 0.64 + ... of 4 drafts; per position it is 0.8 x 4."""
+    p = measured(0.010, 0.0005)
+    rng = random.Random(1)
+    for _ in range(200):
+        p.observe_verdict("copy", 4, 4 if rng.random() < 0.8 else 0)
+    alphas = p.acceptance("copy")
+    assert alphas[0] == pytest.approx(0.8, abs=0.07) and min(alphas[1:]) > 0.97
+    assert p.expected("copy")[3] == pytest.approx(4 * alphas[0], rel=0.05)
+    # The engine-wide rate is the prior for a new request, and it follows the workload.
+    for _ in range(2000):
+        p.observe_verdict("chat", 4, 0)
+    assert p.acceptance("new")[0] < 0.05
 
 
 def test_a_costly_proposer_drafts_less():
@@ -78,19 +97,35 @@ def test_a_costly_proposer_drafts_less():
 
 
 def test_the_rule_is_the_throughput_comparison():
-    """The k chosen maximises (B + E(k)) / (S + (b + c)·k) among the ks that beat B / S."""
+    """The k chosen has (B + E(k)) / (S + (1 + MARGIN)·b·k) > B / S: drafts beat the step's own
+    rate by the margin; none is chosen when no k does."""
     p = measured(0.010, 0.001)
     accepting(p, "r", 0.7)
-    alpha = p.acceptance("r")
+    expected = p.expected("r")
     a, b = p.step_cost()
-    for batch in (1, 4, 16, 32):
+    chosen = set()
+    for batch in (1, 4, 16, 32, 64):
         s = a + b * batch
-        rates = {k: (batch + sum(alpha**j for j in range(1, k + 1))) / (s + b * k) for k in range(1, 5)}
+        rates = {k: (batch + expected[k - 1]) / (s + (1 + MARGIN) * b * k) for k in range(1, 5)}
         k = p.best_drafts("r", batch)
+        chosen.add(k)
         if k == 0:
             assert all(r <= batch / s for r in rates.values()), batch
         else:
             assert rates[k] > batch / s, batch
+    assert 0 in chosen and len(chosen) > 1  # on at a small batch, off at a large one
+
+
+def test_a_marginal_gain_is_not_taken():
+    """A k that pays by less than the margin (E(k)·S just above B·b·k) is not drafted."""
+    p = measured(0.010, 0.001)
+    accepting(p, "r", 0.5, steps=400)
+    a, b = p.step_cost()
+    e1 = p.expected("r")[0]
+    batch = int(e1 * a / (b * (1 + MARGIN / 2) - e1 * b))  # E(1)·S = (1 + MARGIN/2)·B·b
+    s = a + b * batch
+    assert e1 * s > batch * b  # one draft would pay, a little
+    assert p.best_drafts("r", batch) == 0
 
 
 def test_the_scheduler_asks_the_policy_only_when_adaptive():
@@ -105,3 +140,24 @@ def test_the_scheduler_asks_the_policy_only_when_adaptive():
         prefill(sched, r)
         so = sched.schedule()
         assert so.scheduled[0].num_draft_tokens == want, adaptive
+
+
+def test_copying_seen_by_probes_alone_turns_drafting_on_at_32_streams():
+    """Probes draft one token; if those are nearly always kept, deeper positions are expected to
+    be too, and a copy workload drafts at 32 streams (where a rate of 0.5 everywhere would not)."""
+    p = measured(0.0116, 0.00072)  # the Zen 5 figures: 34.6 ms for 32 rows, 0.72 ms a row
+    assert p.num_drafts("fresh", batch=32) == 0
+    for i in range(100):
+        p.observe_verdict(f"probe{i}", 1, 1 if i % 25 else 0)
+    assert p.best_drafts("next", batch=32) >= 2  # with 1/2 at the positions not seen: 1
+
+
+def test_new_requests_probe_staggered():
+    p = measured(0.0116, 0.00072)
+    every = p.probe_every(32)
+    first = {}
+    for step in range(every):
+        for i in range(32):
+            if p.num_drafts(f"r{i}", batch=32) and i not in first:
+                first[i] = step
+    assert len(first) == 32 and len(set(first.values())) > 16  # each probes within the interval, not all at once

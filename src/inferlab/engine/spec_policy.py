@@ -1,47 +1,82 @@
 """When speculation pays: per request and step, how many drafts (0..K) to verify.
 
 Drafts are not free: each is one more row of the step for every request in it, and proposing
-costs time (a draft model's passes). They pay when the tokens they are expected to add outweigh
-the time they add. The rule, with measured numbers:
+costs time (a draft model's passes, a suffix search). They pay when the tokens they are
+expected to add outweigh the time they add. The rule, with measured numbers:
 
 - the step cost: t(T) = a + b·T for a decode step of T rows (the decodes and their drafts),
   fitted by exponentially weighted least squares over the engine's own decode steps (prefill
   steps are left out: a prompt token costs more than a decode row); before enough spread in T
   is seen, b = a / 16 (on a CPU one more row of a small batch costs little next to streaming
-  the weights once);
-- the proposal cost c per draft token: the proposer's measured time per draft made;
-- a request's acceptance α: each verified position is a trial (the drafts accepted, and the
-  first rejected one), its successes over its trials, starting from the engine-wide rate as a
-  prior of weight 2 (a chat workload whose drafts are rejected starts new requests low);
-- k drafts are expected to add E(k) = α + α² + ... + α^k tokens (each is kept only if all before
-  it are).
+  the weights once). b is the verify cost of a draft: a row through every layer, the lm_head
+  and the sampler;
+- the proposal cost c per draft token: the proposer's measured time over the drafts it made
+  (so a proposer that is asked often and finds little is charged for its misses);
+- a request's acceptance per position: α_j, the chance draft j is kept given drafts 1..j-1
+  were, each from its own verdicts (successes over trials at that position) with the
+  engine-wide rate at that position as a prior of weight 2 (a chat workload whose drafts are
+  rejected starts new requests low). Per position and not one α: copying is all or nothing
+  (a copy's second draft is kept nearly always when its first was), chat's first draft is
+  the likeliest; one α would undercount the first and overcount the second. The engine-wide
+  rate at a position is itself centred on the position before (a position not yet drafted, as
+  after one-token probes, is expected to go like the last one seen);
+- k drafts are expected to add E(k) = α_1 + α_1·α_2 + ... + α_1···α_k tokens.
 
 With B requests in decode this step, S = a + b·B is the step without drafts: B tokens in S.
 k drafts add E(k) tokens and (b + c)·k time; they pay iff (B + E(k)) / (S + (b + c)·k) > B / S,
-that is E(k)·S > B·(b + c)·k. The policy picks the k in 1..K with the largest E(k)·S - B·(b+c)·k
-and drafts only if it is positive; a request it keeps from drafting still gets one draft every
-PROBE_EVERY-th step, so that its estimate follows a reply that turns to copying (else a low
-start would never be revised). At one stream on a CPU (b ≪ a) almost any acceptance pays;
-at 32 streams a row costs about as much as the tokens it might save, and only drafts accepted
-most of the time (copying) still pay.
+that is E(k)·S > B·(b + c)·k. The policy picks the k in 1..K with the largest
+E(k)·S - (1 + MARGIN)·B·(b + c)·k and drafts only if it is positive: drafts must beat the
+step's own rate by MARGIN, because near the break-even the estimates' errors (acceptance that
+drifts within a reply, a step cost that is not exactly linear in rows) make them a loss as
+often as a gain, and at 32 streams that is where plain chat sits.
+
+A request the rule keeps from drafting still gets one draft now and then (a probe), so that
+its estimate follows a reply that turns to copying (else a low start would never be revised);
+probes are spaced so that they cost at most PROBE_SHARE of the step time (every PROBE_EVERY-th
+step at one stream) but come at least every PROBE_MAX-th step (the 64th at 32 streams), a new
+request's first one staggered, so that even short replies at 32 streams probe. The
+engine-wide rates decay (TOTAL_DECAY per verdict), so the prior follows a workload that changes. At one stream on a CPU (b ≪ a) almost any acceptance
+pays; at 32 streams a row costs about as much as the tokens it might save, and only drafts
+accepted most of the time (copying) still pay.
 
 Pure Python, no torch, no clock: the scheduler feeds it step times and verdicts.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 PRIOR_ROW_COST = 1 / 16  # b / a before measurements
 PRIOR_WEIGHT = 2.0  # trials the engine-wide acceptance counts for in a new request's estimate
 DECAY = 0.98  # weight of the past per observed step in the cost fit
-PROBE_EVERY = 16  # a request kept from drafting drafts 1 token every this many steps
+PROBE_EVERY = 16  # a request kept from drafting drafts 1 token every this many steps, at least
+PROBE_SHARE = 0.005  # ... and at most this share of the step time goes to probes,
+PROBE_MAX = 64  # ... but at least once in a reply of this many tokens
+TOTAL_DECAY = 0.995  # weight of the past per verdict in the engine-wide acceptance (the prior)
+MARGIN = 0.2  # drafts must add tokens at (1 + MARGIN) x the step's own rate
 
 
 @dataclass
 class _Acceptance:
-    successes: float = 0.0
-    trials: float = 0.0
+    """Per draft position j: verifications that reached j (drafts 1..j-1 kept) and kept j."""
+
+    successes: list[float] = field(default_factory=list)
+    trials: list[float] = field(default_factory=list)
+
+    def add(self, num_drafts: int, num_accepted: int, decay: float = 1.0) -> None:
+        if decay != 1.0:
+            self.trials = [t * decay for t in self.trials]
+            self.successes = [x * decay for x in self.successes]
+        reached = min(num_accepted + 1, num_drafts)  # the kept ones, and the first rejected
+        if len(self.trials) < reached:
+            grow = reached - len(self.trials)
+            self.trials.extend([0.0] * grow)
+            self.successes.extend([0.0] * grow)
+        for j in range(reached):
+            self.trials[j] += 1
+            if j < num_accepted:
+                self.successes[j] += 1
 
 
 @dataclass
@@ -58,6 +93,10 @@ class SpecPolicy:
     total: _Acceptance = field(default_factory=_Acceptance)
     requests: dict[str, _Acceptance] = field(default_factory=dict)
     skipped: dict[str, int] = field(default_factory=dict)  # steps without drafts since the last
+    # Asked per request and step (32 times a step at 32 streams): kept until what they come from changes.
+    _cost: tuple[float, float] | None = None
+    _prior: list[float] | None = None
+    _arrivals: int = 0  # requests seen, to stagger their first probes
 
     # ------------------------------------------------------------------ what is measured
 
@@ -66,6 +105,7 @@ class SpecPolicy:
         if num_rows <= 0 or seconds <= 0:
             return
         d = DECAY
+        self._cost = None
         self._w = d * self._w + 1
         self._x = d * self._x + num_rows
         self._y = d * self._y + seconds
@@ -79,10 +119,9 @@ class SpecPolicy:
 
     def observe_verdict(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """Positions verified: the accepted ones, and the first rejected one if any."""
-        trials = num_accepted + (1 if num_accepted < num_drafts else 0)
-        for acc in (self.requests.setdefault(request_id, _Acceptance()), self.total):
-            acc.successes += num_accepted
-            acc.trials += trials
+        self.requests.setdefault(request_id, _Acceptance()).add(num_drafts, num_accepted)
+        self.total.add(num_drafts, num_accepted, TOTAL_DECAY)  # the prior follows the workload
+        self._prior = None
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -92,6 +131,11 @@ class SpecPolicy:
 
     def step_cost(self) -> tuple[float, float]:
         """(a, b) of t(T) = a + b·T; in the prior's units (a = 1) before any step is seen."""
+        if self._cost is None:
+            self._cost = self._fit()
+        return self._cost
+
+    def _fit(self) -> tuple[float, float]:
         if self._w <= 0:
             return 1.0, PRIOR_ROW_COST
         mx, my = self._x / self._w, self._y / self._w
@@ -109,23 +153,53 @@ class SpecPolicy:
         """Seconds per draft token made (0 until measured)."""
         return self._propose_time / self._proposed if self._proposed > 0 else 0.0
 
-    def acceptance(self, request_id: str) -> float:
-        t = self.total
-        prior = (t.successes + 1) / (t.trials + 2)
+    def acceptance(self, request_id: str) -> list[float]:
+        """α_1..α_K for the request: at each position the chance a draft is kept given the ones
+        before it were, its own record over the engine-wide one as a prior."""
+        if self._prior is None:
+            # Each position's prior is centred on the one before it (the first on 1/2): a position
+            # never drafted yet (probes draft one token) is expected to copy like the last seen.
+            t, self._prior, centre = self.total, [], 0.5
+            for j in range(self.k):
+                ts, tt = (t.successes[j], t.trials[j]) if j < len(t.trials) else (0.0, 0.0)
+                centre = (ts + 2 * centre) / (tt + 2)
+                self._prior.append(centre)
         r = self.requests.get(request_id)
         if r is None:
-            return prior
-        return (r.successes + PRIOR_WEIGHT * prior) / (r.trials + PRIOR_WEIGHT)
+            return list(self._prior)
+        n = len(r.trials)
+        return [(r.successes[j] + PRIOR_WEIGHT * p) / (r.trials[j] + PRIOR_WEIGHT) if j < n else p
+                for j, p in enumerate(self._prior)]
+
+    def expected(self, request_id: str) -> list[float]:
+        """E(1)..E(K): tokens k drafts are expected to add."""
+        out, kept, total = [], 1.0, 0.0
+        for a in self.acceptance(request_id):
+            kept *= a
+            total += kept
+            out.append(total)
+        return out
+
+    def probe_every(self, batch: int) -> int:
+        """Steps between probes of a request kept from drafting: at least PROBE_EVERY, and so
+        many that the batch's probes (batch / n rows a step) cost at most PROBE_SHARE of S, up
+        to PROBE_MAX (a request that never probes would live on the prior alone)."""
+        a, b = self.step_cost()
+        s = a + b * max(batch, 1)
+        return min(PROBE_MAX, max(PROBE_EVERY, math.ceil(max(batch, 1) * b / (PROBE_SHARE * s))))
 
     # ------------------------------------------------------------------ the rule
 
     def num_drafts(self, request_id: str, batch: int) -> int:
         """Drafts for this request this step (0: decode one token) among `batch` decodes: the
-        rule's, or a probe of 1 every PROBE_EVERY-th step the rule says 0."""
+        rule's, or a probe of 1 every probe_every(batch)-th step the rule says 0."""
         k = self.best_drafts(request_id, batch)
         if k == 0:
-            n = self.skipped.get(request_id, 0) + 1
-            if n < PROBE_EVERY:
+            n = self.skipped.get(request_id)
+            if n is None:  # a new request: probes staggered over the batch, not all at once
+                n, self._arrivals = self._arrivals % PROBE_MAX, self._arrivals + 1
+            n += 1
+            if n < self.probe_every(batch):
                 self.skipped[request_id] = n
                 return 0
             k = 1
@@ -133,18 +207,14 @@ class SpecPolicy:
         return k
 
     def best_drafts(self, request_id: str, batch: int) -> int:
-        """The k in 0..K with the largest E(k)·S - B·(b + c)·k (0 when none is positive)."""
-        alpha = self.acceptance(request_id)
+        """The k in 0..K with the largest E(k)·S - (1 + MARGIN)·B·(b + c)·k (0 when none is
+        positive)."""
         a, b = self.step_cost()
         c = self.proposal_cost() if self._w > 0 else 0.0
         s = a + b * max(batch, 1)
-        per_draft = max(batch, 1) * (b + c)
+        per_draft = (1 + MARGIN) * max(batch, 1) * (b + c)
         best_k, best_gain = 0, 0.0
-        expected = 0.0
-        term = 1.0
-        for k in range(1, self.k + 1):
-            term *= alpha
-            expected += term
+        for k, expected in enumerate(self.expected(request_id), start=1):
             gain = expected * s - per_draft * k
             if gain > best_gain:
                 best_k, best_gain = k, gain

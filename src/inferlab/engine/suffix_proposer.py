@@ -1,18 +1,23 @@
-"""Suffix decoding (the idea of arctic-inference's, our own code): drafts from counted suffix
-trees of what was already said, for the repetitive traffic of agents and code edits.
+"""Suffix decoding (the idea of arctic-inference's, our own code): drafts from what was already
+said, counted, for the repetitive traffic of agents and code edits.
 
-Two trees of bounded depth D (every substring of up to D tokens, with how often it occurs):
-one per request over its prompt and output (extended token by token as the output grows), and
-one global over the outputs of the last `max_cached_requests` finished requests (the oldest
-taken out, counts and all, when a new one comes in). A proposal finds the longest suffix of
-the request's tokens that occurred before with a continuation (up to D - K tokens long), then
-walks the most frequent continuation, as long as its estimated probability (the product of
-each step's count / its siblings' counts) stays >= min_token_prob and the drafts stay within
-max_spec_factor x the match length: a long, confident match drafts many tokens, a short or
-ambiguous one few or none. Of the two trees' proposals the one with more expected accepted
-tokens (the sum of those probabilities) wins.
+Two token corpora, read as depth-bounded counted suffix trees (every substring of up to D
+tokens, with how often it occurs): each request's own prompt and output, and the outputs of the
+last `max_cached_requests` finished requests (the oldest leaving when a new one comes in). A
+proposal finds the longest suffix of the request's tokens that occurred before with a
+continuation (up to D - K tokens long), then walks the most frequent continuation, as long as
+its estimated probability (the product of each step's count / its siblings' counts) stays >=
+min_token_prob and the drafts stay within max_spec_factor x the match length: a long, confident
+match drafts many tokens, a short or ambiguous one few or none. Of the two corpora's proposals
+the one with more expected accepted tokens (the sum of those probabilities) wins.
 
-Pure Python, no torch: the scheduler asks it when it schedules decodes.
+Why arrays and not node objects: a tree of Python nodes costs D node updates per token added
+(a 200-token prompt: thousands of them, at every new request) and a dict walk per step; at 32
+streams that was more time than the accepted drafts saved. A node of the tree is the set of
+positions where its string ends, so the same counts come from numpy comparisons over an int32
+copy of the tokens, grown in place as the output grows: a request costs O(its length) vector
+work per proposal and nothing in between (a request the "when it pays" rule keeps from
+drafting costs no proposing at all). No torch: the scheduler asks it when it schedules decodes.
 """
 
 from __future__ import annotations
@@ -20,116 +25,106 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import numpy as np
+
 from inferlab.engine.request import Request
 
+SEP = -1  # between outputs in the global corpus: no match or continuation crosses it
+_EMPTY = np.empty(0, dtype=np.int64)
 
-class _Node:
-    __slots__ = ("count", "children")
+
+class TokenBuffer:
+    """A request's tokens as a growing int32 array: only the tokens new since the last sync are
+    copied (prompt and output only ever grow; rejected drafts never reach the output)."""
 
     def __init__(self) -> None:
-        self.count = 0
-        self.children: dict[int, _Node] | None = None
+        self.data = np.empty(256, dtype=np.int32)
+        self.n = 0
 
-    def child(self, token: int) -> _Node:
-        if self.children is None:
-            self.children = {}
-        node = self.children.get(token)
-        if node is None:
-            node = self.children[token] = _Node()
-        return node
-
-
-class SuffixTree:
-    """Every substring of at most `depth` tokens of the sequences added, with its count."""
-
-    def __init__(self, depth: int) -> None:
-        self.depth = depth
-        self.root = _Node()
-
-    def add(self, tokens: Sequence[int], sign: int = 1) -> None:
-        """Count (sign 1) or uncount (sign -1, pruning what reaches 0) every substring of `tokens`."""
-        for i in range(len(tokens)):
-            node = self.root
-            for t in tokens[i : i + self.depth]:
-                assert node.children is not None or sign > 0
-                nxt = node.child(t) if sign > 0 else node.children[t]  # type: ignore[index]
-                nxt.count += sign
-                if nxt.count == 0:
-                    del node.children[t]  # type: ignore[union-attr]
-                    break
-                node = nxt
-
-    def match(self, context: Sequence[int], max_len: int) -> tuple[_Node | None, int]:
-        """The node of the longest suffix of `context` (at most max_len tokens) that occurred
-        with a continuation, and its length; (None, 0) if none. A suffix that occurs has every
-        shorter suffix occurring too, so the longest occurring one is found by bisection
-        (log D walks, not D); from there down to the first with a continuation."""
-        lo, hi = 0, min(max_len, len(context))  # suffixes of length lo occur; of more than hi, not
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._find(context, mid) is not None:
-                lo = mid
-            else:
-                hi = mid - 1
-        for m in range(lo, 0, -1):
-            node = self._find(context, m)
-            if node is not None and node.children:
-                return node, m
-        return None, 0
-
-    def _find(self, context: Sequence[int], m: int) -> _Node | None:
-        node: _Node | None = self.root
-        for t in context[len(context) - m :]:
-            node = node.children.get(t) if node.children else None  # type: ignore[union-attr]
-            if node is None:
-                return None
-        return node
+    def sync(self, prompt: Sequence[int], output: Sequence[int]) -> np.ndarray:
+        p, total = len(prompt), len(prompt) + len(output)
+        if total > len(self.data):
+            grown = np.empty(max(total, 2 * len(self.data)), dtype=np.int32)
+            grown[: self.n] = self.data[: self.n]
+            self.data = grown
+        if self.n < p:
+            self.data[self.n : p] = prompt[self.n :]
+            self.n = p
+        if self.n < total:
+            self.data[self.n : total] = output[self.n - p :]
+            self.n = total
+        return self.data[: self.n]
 
 
-class _Growing:
-    """A request's own tree, extended as its tokens grow: the nodes of the suffixes ending at
-    the last token (at most depth - 1 long) are kept, so a new token costs depth steps."""
+def longest_match(seq: np.ndarray, context: Sequence[int], max_len: int) -> tuple[np.ndarray, int]:
+    """The longest suffix of `context` (at most max_len tokens) that occurs in `seq` followed by
+    a token, as (the positions in seq where its occurrences end, its length m); (empty, 0) if
+    none. Every shorter suffix of an occurring one occurs at the same ends: the candidates are
+    the ends of the last token, narrowed a token at a time while many (a common token in a big
+    corpus), then each one's match length at once (a few vector operations whatever the length)."""
+    n = len(seq)
+    top = min(max_len, len(context))
+    if top < 1 or n < 2:
+        return _EMPTY, 0
+    ends = np.flatnonzero((seq[:-1] == context[-1]) & (seq[1:] != SEP))
+    m = 1
+    while ends.size > 64 and m < top:
+        prev = ends - m
+        keep = ends[(prev >= 0) & (seq[np.maximum(prev, 0)] == context[-1 - m])]
+        if not keep.size:
+            return ends, m
+        ends, m = keep, m + 1
+    if not ends.size:
+        return _EMPTY, 0
+    if m < top:
+        back = np.arange(m, top)
+        idx = ends[:, None] - back  # [candidate, j]: where context[-1 - j] must be
+        want = np.asarray(context[len(context) - top : len(context) - m], dtype=np.int64)[::-1]
+        same = (idx >= 0) & (seq[np.maximum(idx, 0)] == want)
+        more = np.cumprod(same, axis=1).sum(axis=1)  # matched tokens beyond the first m
+        best = int(more.max())
+        ends, m = ends[more == best], m + best
+    return ends, m
 
-    def __init__(self, depth: int) -> None:
-        self.tree = SuffixTree(depth)
-        self.active: list[_Node] = []
-        self.num_tokens = 0
 
-    def extend(self, tokens: Sequence[int]) -> None:
-        depth = self.tree.depth
-        for t in tokens[self.num_tokens :]:
-            nxt = []
-            for node in [self.tree.root, *self.active]:
-                c = node.child(t)
-                c.count += 1
-                nxt.append(c)
-            self.active = nxt[: depth - 1]
-        self.num_tokens = len(tokens)
-
-    def match(self, max_len: int) -> tuple[_Node | None, int]:
-        """SuffixTree.match for the request's own tokens, without a walk: the nodes of the
-        suffixes ending at the last token are at hand, longest last."""
-        for m in range(min(max_len, len(self.active)), 0, -1):
-            node = self.active[m - 1]
-            if node.children:
-                return node, m
-        return None, 0
-
-
-def walk(node: _Node, max_drafts: int, min_prob: float) -> tuple[list[int], float]:
-    """The most frequent continuation from `node`: tokens while the running probability is >=
-    min_prob, and the expected number accepted (the sum of the running probabilities)."""
+def walk(seq: np.ndarray, ends: np.ndarray, m: int, depth: int, max_drafts: int,
+         min_prob: float) -> tuple[list[int], float]:
+    """From the occurrences `ends` of a matched string of length m: the most frequent next token
+    (ties: the one seen first), while the running probability is >= min_prob and the string
+    stays within `depth`; the drafts and the expected number accepted (the sum of the running
+    probabilities)."""
     out: list[int] = []
     prob, score = 1.0, 0.0
-    while len(out) < max_drafts and node.children:
-        total = sum(c.count for c in node.children.values())
-        token, best = max(node.children.items(), key=lambda kv: kv[1].count)
-        prob *= best.count / total
+    n = len(seq)
+    while len(out) < max_drafts and m < depth and ends.size:
+        if ends.size == 1:  # one occurrence: its continuation, each token certain given the last
+            e = int(ends[0]) + 1
+            seg = seq[e : e + min(max_drafts - len(out), depth - m)].tolist()
+            if SEP in seg:
+                seg = seg[: seg.index(SEP)]
+            out += seg
+            score += prob * len(seg)
+            break
+        pos = ends + 1
+        pos = pos[pos < n]
+        toks = seq[pos]
+        has = toks != SEP
+        pos, toks = pos[has], toks[has]
+        if not toks.size:
+            break
+        if toks.size == 1 or (toks == toks[0]).all():
+            token, count = int(toks[0]), toks.size
+        else:
+            values, first, counts = np.unique(toks, return_index=True, return_counts=True)
+            top = np.flatnonzero(counts == counts.max())
+            i = top[np.argmin(first[top])]
+            token, count = int(values[i]), int(counts[i])
+        prob *= count / toks.size
         if prob < min_prob:
             break
         out.append(token)
         score += prob
-        node = best
+        ends, m = pos[toks == token], m + 1
     return out, score
 
 
@@ -141,50 +136,59 @@ class SuffixProposer:
         self.max_cached = max_cached_requests
         self.factor = max_spec_factor
         self.min_prob = min_token_prob
-        self.local: dict[str, _Growing] = {}
-        self.global_tree = SuffixTree(self.depth)
-        self.cached: OrderedDict[str, list[int]] = OrderedDict()  # request id → output, oldest first
+        self.local: dict[str, TokenBuffer] = {}
+        self.cached: OrderedDict[str, np.ndarray] = OrderedDict()  # request id → output + SEP, oldest first
+        self._corpus: np.ndarray | None = np.empty(0, dtype=np.int32)  # None: rebuild from `cached`
 
     def propose_requests(self, batch: list[tuple[Request, int]]) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
         for request, room in batch:
             own = self.local.get(request.request_id)
             if own is None:
-                own = self.local[request.request_id] = _Growing(self.depth)
-            tokens = request.all_token_ids
-            own.extend(tokens)
-            drafts = self.propose(tokens, room, own)
+                own = self.local[request.request_id] = TokenBuffer()
+            tokens = own.sync(request.prompt_token_ids, request.output_token_ids)
+            drafts = self.propose(tokens, room, tokens)
             if drafts:
                 out[request.request_id] = drafts
         return out
 
-    def propose(self, tokens: Sequence[int], room: int, own: SuffixTree | _Growing | None = None) -> list[int]:
-        """Drafts to follow `tokens`: the better of the request's own tree's proposal and the
-        global tree's."""
+    def propose(self, context: Sequence[int], room: int, own: Sequence[int] | None = None) -> list[int]:
+        """Drafts to follow `context`: the better of the proposal from `own` (the request's
+        tokens; `context` itself in the engine) and the global corpus's."""
         best: list[int] = []
         best_score = 0.0
         max_match = self.depth - min(self.k, room)
-        for tree in (own, self.global_tree):
-            if tree is None:
+        for seq in (own, self.global_corpus()):
+            if seq is None or len(seq) == 0:
                 continue
-            node, m = tree.match(max_match) if isinstance(tree, _Growing) else tree.match(tokens, max_match)
-            if node is None:
+            arr = seq if isinstance(seq, np.ndarray) else np.asarray(seq, dtype=np.int32)
+            ends, m = longest_match(arr, context, max_match)
+            if not m:
                 continue
             limit = min(self.k, room, max(1, int(m * self.factor)))
-            drafts, score = walk(node, limit, self.min_prob)
+            drafts, score = walk(arr, ends, m, self.depth, limit, self.min_prob)
             if score > best_score:
                 best, best_score = drafts, score
         return best
 
+    def global_corpus(self) -> np.ndarray:
+        """The cached outputs, each followed by SEP, oldest first (one concatenation per change)."""
+        if self._corpus is None:
+            parts = list(self.cached.values())
+            self._corpus = np.concatenate(parts) if parts else np.empty(0, dtype=np.int32)
+        return self._corpus
+
     def finish(self, request: Request) -> None:
-        """Drop the request's own tree; its output joins the global tree (the oldest leaves it
+        """Drop the request's buffer; its output joins the global corpus (the oldest leaves it
         beyond max_cached_requests)."""
         self.local.pop(request.request_id, None)
-        output = list(request.output_token_ids)
+        output = request.output_token_ids
         if not output or request.request_id in self.cached:
             return
-        self.cached[request.request_id] = output
-        self.global_tree.add(output)
+        entry = np.empty(len(output) + 1, dtype=np.int32)
+        entry[:-1] = output
+        entry[-1] = SEP
+        self.cached[request.request_id] = entry
         while len(self.cached) > self.max_cached:
-            _, old = self.cached.popitem(last=False)
-            self.global_tree.add(old, -1)
+            self.cached.popitem(last=False)
+        self._corpus = None
