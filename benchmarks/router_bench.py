@@ -9,7 +9,9 @@ The full run (≤ ~8 min on 2 cores; what benchmarks/results/router_bench.md sho
 It (1) calibrates the step cost model on this machine (`inferlab simulate --calibrate-engine`,
 one thread, a short profile; skipped with --sim-cost-model); (2) starts 2 replicas of the default
 model (`--num-threads 1`) and runs cache-aware, least-load and round-robin behind a fresh router
-each, with `inferlab simulate`'s fleet model of the same shape beside them; (3) does the same
+each (16 system prompts of ~600 tokens x 6 questions by default; the router tokenizes with the
+replicas' model, no /tokenize round trip), with `inferlab simulate`'s fleet model of the same
+shape beside them; (3) does the same
 over 16 simulated replicas (`inferlab serve --simulate` on the calibrated cost model, the
 replicas' own KV cache size), where K is 16, and a hot-prefix workload (one system prompt
 for every request) that must spread. A smoke run:
@@ -45,6 +47,8 @@ from pathlib import Path
 
 import httpx
 from harness import free_port, served, stop_group, wait_ready
+
+from inferlab.models.registry import DEFAULT_MODEL
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches "
@@ -273,8 +277,8 @@ def compare(launcher: list[str], env: dict, bases: list[str], items: list[tuple[
         cmd = [*launcher, "router", "--port", str(port), "--policy", policy, "--log-level", "warning"]
         for b in bases:
             cmd += ["--backend", b]
-        if args.tokenizer:
-            cmd += ["--tokenizer", args.tokenizer]
+        if args.tokenizer != "replica":  # tokenized in the router: no /tokenize round trip per request
+            cmd += ["--tokenizer", args.tokenizer or args.model or DEFAULT_MODEL.name]
         base = f"http://127.0.0.1:{port}"
         with served(cmd, base, tmp / f"router-{tag}-{policy}.log", env=env, timeout_s=120):
             deadline = time.monotonic() + 60
@@ -310,14 +314,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--policies", default="cache-aware,least-load,round-robin")
-    p.add_argument("--systems", type=int, default=4, help="K shared system prompts")
-    p.add_argument("--questions", type=int, default=12, help="questions per system prompt")
-    p.add_argument("--system-words", type=int, default=300, help="words per system prompt (~1.2 tokens each)")
+    # 16 prompts of ~600 tokens: more than a replica's share of the traffic can keep warm by
+    # chance, so where a request lands decides whether its prefix is prefilled again.
+    p.add_argument("--systems", type=int, default=16, help="K shared system prompts")
+    p.add_argument("--questions", type=int, default=6, help="questions per system prompt")
+    p.add_argument("--system-words", type=int, default=500, help="words per system prompt (~1.2 tokens each)")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per replica")
     p.add_argument("--model", default=None, help="replica model (default: the server's default)")
-    p.add_argument("--tokenizer", default=None, help="--tokenizer for the router (default: the replicas' /tokenize)")
+    p.add_argument("--tokenizer", default=None,
+                   help="--tokenizer for the router (default: the replicas' model; 'replica': their /tokenize)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="runs per policy, alternated; medians reported")
     p.add_argument("--max-seconds-per-policy", type=float, default=75.0,
