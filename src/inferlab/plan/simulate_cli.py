@@ -211,6 +211,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write_report(doc: dict, args: argparse.Namespace, log) -> bool:
+    """`doc` to --result-file if given, and to stdout as JSON with --json (True: nothing else to print)."""
+    if args.result_file:
+        with open(args.result_file, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=1)
+        log(f"report written to {args.result_file}")
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    return bool(args.json)
+
+
 def _policies(text: str | None) -> list[str]:
     if text is None or text.strip() == "all":
         return [p for p in POLICIES]
@@ -234,13 +245,7 @@ def _run_fleet(args, workload, sched_cfg, cache_cfg, num_blocks, cost, log) -> i
            "shared_prefixes": args.shared_prefixes, "shared_prefix_len": workload.shared_prefix_len,
            "policies": {r.policy: {**r.summary(), "requests_per_replica": r.per_replica, "decisions": r.reasons}
                         for r in results}}  # fmt: skip
-    if args.result_file:
-        with open(args.result_file, "w", encoding="utf-8") as fh:
-            json.dump(doc, fh, indent=1)
-        log(f"report written to {args.result_file}")
-    if args.json:
-        print(json.dumps(doc, indent=1))
-    else:
+    if not _write_report(doc, args, log):
         for line in render_table(results, replicas):
             print(line)
         print("• simulated: TTFT and throughput from the step cost model; cached share from the real prefix cache "
@@ -294,12 +299,7 @@ def _run_disaggregated(args, model, workload, sched_cfg, cache_cfg, num_blocks, 
     doc = {"simulation": "disaggregated", "prefill_replicas": p, "decode_replicas": d,
            "kv_transfer_gbps": args.kv_transfer_gbps, "kv_transfer_latency_ms": args.kv_transfer_latency_ms,
            "kv_bytes_per_token": kv_bpt, "num_blocks_per_replica": num_blocks, "rows": rows, "notes": notes}
-    if args.result_file:
-        with open(args.result_file, "w", encoding="utf-8") as fh:
-            json.dump(doc, fh, indent=1)
-        log(f"report written to {args.result_file}")
-    if args.json:
-        print(json.dumps(doc, indent=1))
+    if _write_report(doc, args, log):
         return 0
     for line in render_comparison(rows):
         print(line)
