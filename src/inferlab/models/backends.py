@@ -72,8 +72,9 @@ class Backends:
         return "paged" if self.paged_decode else "sdpa"
 
     def describe(self) -> str:
-        line = (f"backends: forward {self.forward}{'' if self.fused_layers or not FORWARD[self.forward].fused_layers else ' (eager layers)'}, "
-                f"decode attention {self.attention}, sampler {'kernel' if self.fused_sampler else 'torch'}")
+        layers = " (eager layers)" if FORWARD[self.forward].fused_layers and not self.fused_layers else ""
+        line = (f"backends: forward {self.forward}{layers}, decode attention {self.attention}, "
+                f"sampler {'kernel' if self.fused_sampler else 'torch'}")
         return line + "".join(f"; {r}" for r in self.reasons)
 
     def as_dict(self) -> dict[str, object]:
