@@ -123,6 +123,16 @@ class BlockPool:
         self.num_evictions = 0  # cached blocks reused for new content, cumulative
         self.events: KVEventLog | None = None  # set by whoever publishes KV events (None: no cost)
 
+    def enable_events(self, capacity: int, block_size: int) -> KVEventLog:
+        """Record `cached_blocks`' changes from now on (the engine thread only) and return the
+        log; blocks already cached enter it as one `stored` record, so its snapshot is whole.
+        A second call returns the log the first made."""
+        if self.events is None:
+            log = KVEventLog(capacity, block_size=block_size)
+            log.stored(list(self.cached_blocks))
+            self.events = log
+        return self.events
+
     @property
     def num_free_blocks(self) -> int:
         """Blocks no request holds, including cached ones that a new allocation may evict."""

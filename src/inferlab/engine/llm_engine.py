@@ -17,13 +17,14 @@ import torch
 from inferlab.config import EngineConfig
 from inferlab.engine.detokenizer import IncrementalDetokenizer
 from inferlab.engine.draft_proposer import DraftModelProposer, build_draft_proposer
+from inferlab.engine.engine_core import RequestBook
 from inferlab.engine.errors import ContextLengthError
 from inferlab.engine.generation_config import resolve_sampling_defaults
 from inferlab.engine.heap import HeapTrimmer
 from inferlab.engine.kv_events import KVEventLog
 from inferlab.engine.model_runner import ModelRunner, num_kv_blocks
 from inferlab.engine.output_processor import OutputProcessor
-from inferlab.engine.outputs import ModelRunnerOutput, SchedulerOutput, SchedulerStats
+from inferlab.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from inferlab.engine.request import (
     Request,
     RequestOptions,
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(RequestBook):
     def __init__(self, config: EngineConfig):
         self.parallel: TensorParallelGroup | None = None  # tensor parallel: the other ranks
         try:
@@ -154,14 +155,8 @@ class LLMEngine:
         self.traces.clear()
 
     def enable_kv_events(self, capacity: int = 8192) -> KVEventLog:
-        """Record the prefix cache's changes from now on (engine thread only); blocks already
-        cached enter the log as one `stored` record, so the log's snapshot is whole."""
-        pool = self.scheduler.kv_cache_manager.block_pool
-        if pool.events is None:
-            log = KVEventLog(capacity, block_size=self.cache_config.block_size)
-            log.stored(list(pool.cached_blocks))
-            pool.events = log
-        return pool.events
+        """The prefix cache's changes from now on, as a KV event log (block_pool.enable_events)."""
+        return self.scheduler.kv_cache_manager.block_pool.enable_events(capacity, self.cache_config.block_size)
 
     def _new_scheduler(self) -> Scheduler:
         if self.draft_proposer is not None:
@@ -301,25 +296,6 @@ class LLMEngine:
             raise ValueError(f"{params.source} needs the model's tokenizer, and this model has none")
         self.grammars.compile(params)
 
-    def abort_request(self, request_ids: list[str] | str, reason: str = "abort", error: str | None = None) -> None:
-        """Finish requests now (client gone, deadline): blocks freed; a final output with
-        finish_reason `reason` comes out of the next step()."""
-        if isinstance(request_ids, str):
-            request_ids = [request_ids]
-        status = RequestStatus.FINISHED_ERROR if reason == "error" else RequestStatus.FINISHED_ABORTED
-        for rid in request_ids:
-            children = self.output_processor.child_ids(rid)
-            self.scheduler.finish_requests(children, status)
-            out = self.output_processor.abort(rid, time.monotonic(), reason, error)
-            if out is not None:
-                self._pending.append(out)
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self._pending) or self.scheduler.has_unfinished_requests()
-
-    def get_stats(self) -> SchedulerStats:
-        return self.scheduler.get_stats()
-
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
@@ -356,9 +332,6 @@ class LLMEngine:
         for out in outputs:
             if out.finished:
                 self.traces.finish(out)
-
-    def new_request_id(self) -> str:
-        return f"req-{next(self._ids)}"
 
 
 # LoadedModel.format -> where its own sampling defaults were read.

@@ -30,11 +30,12 @@ from typing import Any
 
 from inferlab.config import EngineConfig
 from inferlab.engine.detokenizer import IncrementalDetokenizer
+from inferlab.engine.engine_core import RequestBook
 from inferlab.engine.errors import ContextLengthError
 from inferlab.engine.generation_config import SamplingDefaults
 from inferlab.engine.kv_events import KVEventLog
 from inferlab.engine.output_processor import OutputProcessor
-from inferlab.engine.outputs import ModelRunnerOutput, SchedulerStats
+from inferlab.engine.outputs import ModelRunnerOutput
 from inferlab.engine.request import Request, RequestOptions, RequestOutput, RequestStatus, SamplingParams
 from inferlab.engine.scheduler import Scheduler
 from inferlab.engine.tracing import TraceRecorder
@@ -155,7 +156,7 @@ def model_shape(path: Path, fmt: str) -> ModelShape:
                       c.eos_token_ids)  # fmt: skip
 
 
-class SimulatedEngine:
+class SimulatedEngine(RequestBook):
     """The scheduler and prefix cache of `config`, stepping on `cost`'s clock (module docstring)."""
 
     def __init__(self, config: EngineConfig, cost: LinearCost, *, sleep: Callable[[float], None] = time.sleep,
@@ -226,12 +227,8 @@ class SimulatedEngine:
         }  # fmt: skip
 
     def enable_kv_events(self, capacity: int = 8192) -> KVEventLog:
-        pool = self.scheduler.kv_cache_manager.block_pool
-        if pool.events is None:
-            log = KVEventLog(capacity, block_size=self.cache_config.block_size)
-            log.stored(list(pool.cached_blocks))
-            pool.events = log
-        return pool.events
+        """The prefix cache's changes from now on, as a KV event log (block_pool.enable_events)."""
+        return self.scheduler.kv_cache_manager.block_pool.enable_events(capacity, self.cache_config.block_size)
 
     def _make_detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stop=params.stop,
@@ -268,23 +265,6 @@ class SimulatedEngine:
                 eos_token_ids=() if params.ignore_eos else self.eos_token_ids, arrival_time=options.arrival_time,
                 cache_salt=options.cache_salt, use_prefix_cache=options.use_prefix_cache,
                 max_model_len=self.max_model_len))  # fmt: skip
-
-    def abort_request(self, request_ids: list[str] | str, reason: str = "abort", error: str | None = None) -> None:
-        status = RequestStatus.FINISHED_ERROR if reason == "error" else RequestStatus.FINISHED_ABORTED
-        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            self.scheduler.finish_requests(self.output_processor.child_ids(rid), status)
-            out = self.output_processor.abort(rid, self.clock(), reason, error)
-            if out is not None:
-                self._pending.append(out)
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self._pending) or self.scheduler.has_unfinished_requests()
-
-    def get_stats(self) -> SchedulerStats:
-        return self.scheduler.get_stats()
-
-    def new_request_id(self) -> str:
-        return f"req-{next(self._ids)}"
 
     # ------------------------------------------------------------------ the step
     def _token(self, request: Request) -> int:
