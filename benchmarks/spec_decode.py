@@ -45,22 +45,83 @@ import spec_decode_vllm as peer
 
 from inferlab import LLM, SamplingParams
 
-TEXT = ("The committee met on Tuesday to review the budget for the new library. After a long discussion, the members "
-        "agreed to fund the children's reading room, to repair the roof before winter, and to extend the opening "
-        "hours on weekends. The treasurer will publish the final figures next month.")
-CODE = '''def total_price(items, tax_rate):
+TEXTS = (
+    "The committee met on Tuesday to review the budget for the new library. After a long discussion, the members "
+    "agreed to fund the children's reading room, to repair the roof before winter, and to extend the opening "
+    "hours on weekends. The treasurer will publish the final figures next month.",
+    "The river rose quickly after three days of rain, and the town opened the old school as a shelter. Volunteers "
+    "carried blankets, bread and lamps from the market to the hall, and the doctor stayed through the night. By "
+    "morning the water had fallen and most families went home.",
+    "Our team moved the service to a new data centre over the weekend. The database was copied first, then the "
+    "web servers, and finally the queue workers. Two alerts fired during the switch, both from a stale cache, and "
+    "the site was back to normal speed by Sunday evening.",
+    "The orchestra opened the season with a symphony by Brahms and a new piece by a young composer from the city. "
+    "The hall was full, the strings were bright and warm, and the audience asked for two encores before the "
+    "players left the stage to long applause.",
+)
+CODES = (
+    ("subtotal", "net", '''def total_price(items, tax_rate):
     subtotal = 0
     for item in items:
         subtotal += item.price * item.quantity
     tax = subtotal * tax_rate
     return subtotal + tax
-'''
-WORKLOADS = {
-    "copy": f"Repeat this text exactly, word for word:\n\n{TEXT}",
-    "edit": f"Rewrite this text with every 'the' in capital letters, changing nothing else:\n\n{TEXT}",
-    "code": f"Rename the variable `subtotal` to `net` in this function and print the whole function:\n\n{CODE}",
-    "chat": "Tell me about the history of Rome, from its founding to the fall of the Western Empire.",
-}
+'''),
+    ("count", "n", '''def count_words(lines):
+    count = 0
+    for line in lines:
+        for word in line.split():
+            if word.isalpha():
+                count += 1
+    return count
+'''),
+    ("best", "top", '''def highest_score(players):
+    best = None
+    for player in players:
+        if best is None or player.score > best.score:
+            best = player
+    return best
+'''),
+    ("total", "acc", '''def average(values):
+    total = 0.0
+    for value in values:
+        total += value
+    if not values:
+        return 0.0
+    return total / len(values)
+'''),
+)
+EXAMPLE = ('''def area(width, height):
+    result = width * height
+    return result
+''', '''def area(width, height):
+    size = width * height
+    return size
+''')
+SYSTEM = ("You are a code editor. Apply the requested change and reply with the complete edited code only, "
+          "every other line unchanged.")
+# A turn's copy-heavy prompt is the turn's own text or function (turn 0 the warm-up): with one
+# prompt for all turns, suffix decoding's global tree would draft a turn's reply from the
+# previous turn's identical one instead of from the prompt.
+WORKLOADS = ("copy", "edit", "code", "chat")
+
+
+def copy_heavy(name: str, variant: int) -> list[dict]:
+    """The conversation of a copy-heavy workload. Code: an editor's system prompt and one worked
+    rename before the asked one, the way code-edit tools prompt (asked bare, the 135M default
+    model answers a rename with a sentence or a new function body, not the edited code)."""
+    text = TEXTS[variant % len(TEXTS)]
+    if name == "copy":
+        return [{"role": "user", "content": f"Repeat this text exactly, word for word:\n\n{text}"}]
+    if name == "edit":
+        return [{"role": "user", "content": f"Rewrite this text with every 'the' in capital letters, changing nothing else:\n\n{text}"}]
+    old, new, code = CODES[variant % len(CODES)]
+    return [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"Rename `result` to `size`:\n\n```python\n{EXAMPLE[0]}```"},
+            {"role": "assistant", "content": f"```python\n{EXAMPLE[1]}```"},
+            {"role": "user", "content": f"Rename `{old}` to `{new}`:\n\n```python\n{code}```"}]
+
+
 # Plain chat gets a new question per stream and turn: suffix decoding's global tree holds the
 # replies of earlier requests, and a question asked again would be answered from it.
 TOPICS = ("Rome", "Egypt", "China", "the Inca", "Japan", "Persia", "Greece", "the Vikings", "Mali", "Byzantium",
@@ -87,13 +148,17 @@ def spec_config(method: str, args: argparse.Namespace) -> dict | None:
 
 def prompts_for(name: str, streams: int, turn: int) -> list[list[dict]]:
     """Turn `turn`'s conversations: chat a new question per stream and turn, the copy-heavy
-    prompts numbered per stream."""
+    workloads the turn's text or function, numbered per stream."""
     if name == "chat":
         idx = [(turn * streams + i) % (len(TOPICS) * len(QUESTIONS)) for i in range(streams)]
         return [[{"role": "user", "content": QUESTIONS[j // len(TOPICS)].format(TOPICS[j % len(TOPICS)])}] for j in idx]
-    if streams == 1:
-        return [[{"role": "user", "content": WORKLOADS[name]}]]
-    return [[{"role": "user", "content": f"Task {i + 1} of {streams}. {WORKLOADS[name]}"}] for i in range(streams)]
+    convs = []
+    for i in range(streams):
+        conv = copy_heavy(name, turn)
+        if streams > 1:
+            conv[-1] = {"role": "user", "content": f"Task {i + 1} of {streams}. {conv[-1]['content']}"}
+        convs.append(conv)
+    return convs
 
 
 def one_turn(llm: LLM, conversations: list[list[dict]], params: SamplingParams) -> tuple[float, list[list[int]]]:

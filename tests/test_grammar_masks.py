@@ -124,3 +124,38 @@ def test_sampler_masks_grammar_rows_only(compiler):
         else:
             want = sorted(allowed(grammar))
             assert tokens[i] == want[int(raw[i, want].argmax())]
+
+
+def test_draft_positions_get_the_masks_after_their_drafts(compiler):
+    """Speculative decoding: a request with drafts has a row per draft position; row j gets the
+    mask of a matcher that has taken drafts[:j], up to the first draft the grammar refuses
+    (later rows repeat the last mask: never read), and the matcher is left where it was."""
+    walk = compiler.matcher(CONSTRAINTS["digits"])  # [0-9]{2,6}: digit tokens, then only the end
+    digits = []
+    while len(digits) < 8 and (ok := sorted(allowed(walk) - set(compiler._eos))):
+        digits.append(ok[0])
+        assert walk.accept(ok[0])
+    assert 2 <= len(digits) < 8  # the walk reached the grammar's end
+    grammar = compiler.matcher(CONSTRAINTS["digits"])  # [0-9]{2,6}
+    other = compiler.matcher(CONSTRAINTS["choice"])
+    before = allowed(grammar)
+    refused = next(t for t in range(VOCAB) if t not in before)
+    cases = [digits[:2], digits[:1] + [refused, digits[1]], digits + digits[:1]]  # all kept; refused; past the end
+    for drafts in cases:
+        # [other, grammar at depth 0..len(drafts)]
+        rows = [0] + [1 + j for j in range(len(drafts) + 1)]
+        grammars = [other] + [grammar] * (len(drafts) + 1)
+        logits = torch.randn(len(rows), VOCAB)
+        out = logits.clone()
+        GrammarMasker()(out, rows, grammars, [()] + [drafts] + [()] * len(drafts))
+        assert finite(out[0]) == allowed(other)
+        fresh = compiler.matcher(CONSTRAINTS["digits"])
+        want = [allowed(fresh)]
+        for t in drafts:
+            if not (fresh.matcher.validate_tokens([t]) == 1 and fresh.accept(t)) or fresh.is_terminated():
+                break
+            want.append(allowed(fresh))
+        want += [want[-1]] * (len(drafts) + 1 - len(want))  # from the refused or completing draft on
+        assert [finite(out[1 + j]) for j in range(len(drafts) + 1)] == want
+        assert allowed(grammar) == before and not grammar.matcher.is_error()
+    assert len(set(map(frozenset, want))) > 1  # the rows' masks did differ (the last case)

@@ -129,23 +129,32 @@ def test_bad_constraints_are_a_400_naming_the_problem(srv, extra, param, needle)
     assert err["param"] == param and needle in err["message"], err
 
 
-def test_grammar_requests_take_no_drafts_and_stay_valid(tmp_path):
-    """With n-gram speculative decoding on, a constrained request still obeys its grammar (it
-    gets no drafts; the others keep theirs)."""
+def test_grammar_requests_take_drafts_and_keep_the_tokens(tmp_path):
+    """With n-gram speculative decoding on, a constrained request drafts too (each draft
+    position masked by the grammar's state after the drafts before it) and yields exactly the
+    tokens plain greedy decoding gives, valid against its grammar; a request without one beside it."""
+    import re
+
     from inferlab import LLM, SamplingParams
     from inferlab.engine.request import StructuredOutputsParams
 
     path = make_tiny_hf_model(tmp_path, arch="llama")
-    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, max_model_len=512, num_threads=1,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
-    so = StructuredOutputsParams(json=json.dumps(SCHEMA))
-    outs = llm.generate(["one two three one two three one two three"] * 2,
-                        [SamplingParams(temperature=0, max_tokens=60, structured_outputs=so),
-                         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)])
-    doc = json.loads(outs[0].outputs[0].text)
-    assert 1 <= doc["level"] <= 5
-    assert outs[0].metrics.num_draft_tokens == 0
-    assert outs[1].metrics.num_draft_tokens > 0
+    kw = dict(dtype="float32", num_kv_blocks=96, max_model_len=512, num_threads=1)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "adaptive": False}
+    prompt = "one two three one two three one two three"
+    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=json.dumps(SCHEMA))),
+              SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex="(one two three )+")),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+              # sampled and seeded: rejection sampling draws what decoding one at a time would
+              SamplingParams(temperature=1.0, seed=7, max_tokens=40, structured_outputs=StructuredOutputsParams(regex="(one two three )+"))]  # fmt: skip
+    plain = LLM(str(path), **kw).generate([prompt] * 4, params)
+    outs = LLM(str(path), speculative_config=spec, **kw).generate([prompt] * 4, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert 1 <= json.loads(outs[0].outputs[0].text)["level"] <= 5
+    for o in (outs[1], outs[3]):
+        assert re.fullmatch("(one two three )*(one two three ?)?", o.outputs[0].text)
+    assert all(o.metrics.num_draft_tokens > 0 for o in outs)
+    assert outs[1].metrics.num_accepted_tokens > 0  # the regex's text copies the prompt
 
 
 class Weather(BaseModel):

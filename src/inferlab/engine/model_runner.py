@@ -137,7 +137,7 @@ class ModelRunner:
         # One logits row per position of a request with drafts (each seeing the drafts before it
         # as its output so far), one per other sampled request.
         rows = [v for s in sampled_rows for v in position_rows(s)] if spec else sampled_rows
-        out = self.sampler(logits, rows)  # grammar rows come back masked; the rows reused below (drafts) have none
+        out = self.sampler(logits, rows)  # grammar rows come back masked, each draft position its own
         # Back to the scheduler's order.
         by_id: dict[str, int] = {}
         spec_toks: dict[str, list[int]] = {}

@@ -33,6 +33,9 @@ class ScheduledRequest:
     # sampled token): the runner takes logits at every position and verifies them.
     num_draft_tokens: int = 0
     grammar: Any = None  # the request's grammar matcher (structured outputs): the sampler masks with it
+    # A sampler row of a request with drafts (spec_decode.position_rows): the target after this
+    # many of its drafts, so its grammar mask is the matcher's state after them.
+    draft_depth: int = 0
 
     @property
     def draft_token_ids(self) -> list[int]:

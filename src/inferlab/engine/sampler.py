@@ -47,15 +47,19 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[ScheduledRequest]) -> SamplerOutput:
         """logits: float32 [N, V], one row per request in `rows`. The rows of requests with a
-        grammar may come back masked: the mask is applied in place, not to a copy of the batch."""
+        grammar come back masked: the mask is applied in place, not to a copy of the batch."""
         want_logprobs = any(r.sampling_params.logprobs is not None for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
+        grammar_rows = [i for i, r in enumerate(rows) if getattr(r, "grammar", None) is not None]
+        if grammar_rows:  # structured outputs: what the grammar forbids, before everything else,
+            # in place, so that `probs` (rejection sampling) sees it too. A request with drafts
+            # has a row per draft position (spec_decode.position_rows), its depth-0 row first.
+            drafts = [rows[i].draft_token_ids if rows[i].draft_depth == 0 else () for i in grammar_rows]
+            self.grammar_masks(logits, grammar_rows, [rows[i].grammar for i in grammar_rows],
+                               drafts if any(drafts) else None)
         if any(r.sampling_params.has_token_constraints for r in rows):
             logits = apply_token_constraints(logits.clone(), rows)
-        grammar_rows = [i for i, r in enumerate(rows) if getattr(r, "grammar", None) is not None]
-        if grammar_rows:  # structured outputs: what the grammar forbids, before everything else
-            self.grammar_masks(logits, grammar_rows, [rows[i].grammar for i in grammar_rows])
         if any(r.sampling_params.has_penalties for r in rows):
             logits = apply_penalties(logits.clone(), rows)
         logits = mask_early_stop_tokens(logits, rows)

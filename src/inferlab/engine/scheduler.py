@@ -328,8 +328,6 @@ class Scheduler:
         decoding = [r for r in self.running if r.num_computed_tokens == r.num_tokens - 1]  # not prefilling
         batch: list[tuple[Request, int]] = []
         for request in decoding:
-            if request.grammar is not None:
-                continue  # each draft position would need a mask past drafts not yet accepted
             params = request.sampling_params
             room = min(budget - 1, self._max_len(request) - request.num_tokens - 1)
             if params.max_tokens is not None:

@@ -44,13 +44,14 @@ def position_rows(s: ScheduledRequest) -> list[ScheduledRequest]:
     """The sampler's rows for a request with k drafts: 1 + k views, row j with the drafts
     before it as output tokens, so that penalties, min_tokens and a seed's per-position
     uniform see what they would if those drafts had been sampled (and the target at row j is
-    the one decoding one at a time would meet when they are accepted)."""
+    the one decoding one at a time would meet when they are accepted); a grammar's mask at row
+    j is its state after drafts 0..j-1 (`draft_depth`)."""
     k = s.num_draft_tokens
     if not k:
         return [s]
     drafts = s.draft_token_ids
     out = list(s.output_token_ids)
-    return [s] + [replace(s, output_token_ids=out + drafts[:j]) for j in range(1, k + 1)]
+    return [s] + [replace(s, output_token_ids=out + drafts[:j], draft_depth=j) for j in range(1, k + 1)]
 
 
 def accept_greedy(drafts: Sequence[int], targets: Sequence[int]) -> list[int]:

@@ -15,8 +15,9 @@ costs least:
   sequence (n > 1 children each have their own), cheap;
 - **per step** (`GrammarMasker`): the sampler has every constrained row's bitmask filled into a
   buffer kept across steps and applies them in place to those logits rows, branch-free
-  (`apply_bitmask`); the scheduler advances each matcher with the token it appends
-  (`Grammar.accept`) and ends the request when the grammar is complete.
+  (`apply_bitmask`), a request with speculative drafts one mask per draft position (its matcher
+  taken through the drafts and rolled back); the scheduler advances each matcher with the
+  tokens it appends (`Grammar.accept`) and ends the request when the grammar is complete.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -155,13 +157,22 @@ class GrammarMasker:
         self._bitmask = torch.empty((0, 0), dtype=torch.int32)
         self._scratch = np.empty((0, 0, 8), dtype=np.float32)
 
-    def __call__(self, logits: torch.Tensor, rows: list[int], grammars: list[Grammar]) -> None:
-        """Set logits[rows[k], j] to -inf for every token j that grammars[k] forbids next."""
-        apply_bitmask(logits, self.fill(grammars, logits.shape[1]), rows, self)
+    def __call__(self, logits: torch.Tensor, rows: list[int], grammars: list[Grammar],
+                 drafts: list[Sequence[int]] | None = None) -> None:
+        """Set logits[rows[k], j] to -inf for every token j that grammars[k] forbids next (with
+        `drafts`, see `fill`)."""
+        apply_bitmask(logits, self.fill(grammars, logits.shape[1], drafts), rows, self)
 
-    def fill(self, grammars: list[Grammar], vocab: int) -> torch.Tensor:
+    def fill(self, grammars: list[Grammar], vocab: int, drafts: list[Sequence[int]] | None = None) -> torch.Tensor:
         """[len(grammars), ceil(vocab / 32)] int32 bitmask, row k grammars[k]'s (a view of the
         buffer: valid until the next call). Bit j of word w allows token 32w + j.
+
+        Speculative decoding: where drafts[k] holds a request's d drafts, rows k + 1 .. k + d are
+        its targets after each of them (the same grammar), and get the matcher's masks after
+        drafts[k][:1], [:2], ...: the matcher takes the drafts it accepts, one at a time, and is
+        rolled back after. From the first draft it refuses (or a draft that completes it) on,
+        the rows repeat the last mask: verification never reads them, since the target there
+        cannot be that draft (it is masked out), or the request ends at the completing one.
 
         One matcher at a time on the calling thread: llguidance's threaded batch call
         (LLExecutor) has to wake its pool threads first, and on two cores still busy (the forward
@@ -172,8 +183,23 @@ class GrammarMasker:
             self._bitmask = torch.empty((max(n, self._bitmask.shape[0]), words), dtype=torch.int32)
         bitmask = self._bitmask[:n]
         base, row_bytes = bitmask.data_ptr(), words * 4
-        for k, g in enumerate(grammars):  # every row written: nothing is left from an earlier step
-            g.matcher.unsafe_compute_mask_ptr(base + k * row_bytes, row_bytes)
+        k = 0
+        while k < n:  # every row written: nothing is left from an earlier step
+            m = grammars[k].matcher
+            m.unsafe_compute_mask_ptr(base + k * row_bytes, row_bytes)
+            tokens = list(drafts[k]) if drafts is not None else []
+            if tokens:
+                valid, taken = m.validate_tokens(tokens), 0
+                for j in range(1, len(tokens) + 1):
+                    if taken == j - 1 < valid and not m.is_stopped():
+                        taken += m.consume_token(tokens[j - 1])
+                    if taken == j and not m.is_stopped():
+                        m.unsafe_compute_mask_ptr(base + (k + j) * row_bytes, row_bytes)
+                    else:
+                        bitmask[k + j] = bitmask[k + j - 1]
+                if taken:
+                    m.rollback(taken)
+            k += 1 + len(tokens)
         return bitmask
 
     def scratch(self, rows: int, words: int) -> np.ndarray:
