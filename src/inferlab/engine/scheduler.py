@@ -151,10 +151,6 @@ class Scheduler:
         self.running.append(request)
         return True
 
-    def get_request(self, request_id: str) -> Request | None:
-        """An unfinished request by id, else None."""
-        return self.requests.get(request_id)
-
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
