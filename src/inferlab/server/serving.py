@@ -22,7 +22,7 @@ import uuid
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from inferlab.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestStream
@@ -30,6 +30,7 @@ from inferlab.engine.errors import EngineDeadError
 from inferlab.engine.generation_config import SamplingDefaults
 from inferlab.engine.request import RequestOptions, RequestOutput, SamplingParams
 from inferlab.server.admission import effective_timeout, to_api_error
+from inferlab.server.httputil import ClosingStream, client_gone
 from inferlab.server.metrics import TenantMetrics
 from inferlab.server.protocol import (
     ApiError,
@@ -54,9 +55,6 @@ from inferlab.server.tool_calls import (
 )
 
 logger = logging.getLogger("inferlab.server")
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
 
 async def parse_body(raw: Request, model: type[BaseModel]) -> Any:
     """The JSON body validated against `model`; malformed JSON or wrong types → ApiError(400)."""
@@ -84,14 +82,6 @@ def validation_error(e: ValidationError | Any) -> ApiError:
     msg = first.get("msg", "invalid value")
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     return bad_request(f"{param}: {msg}{more}" if param else f"{msg}{more}", param=param)
-
-
-async def _client_gone(raw: Request) -> None:
-    """Returns when the client disconnects (the body has been read: only a disconnect can come)."""
-    while True:
-        message = await raw.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 class OpenAIServing:
@@ -381,7 +371,7 @@ class OpenAIServing:
                     s.abort()
                 done("disconnected", [], "disconnected")
 
-            return _Stream(sse_stream(ctx, streams), never_streamed)
+            return ClosingStream(sse_stream(ctx, streams), never_streamed)
         finals: list[RequestOutput | None] = [None] * len(streams)
         status = "disconnected"
         try:
@@ -432,7 +422,7 @@ class OpenAIServing:
                             logprobs[p][c.index].extend(c.logprobs_delta)
 
         work = asyncio.ensure_future(drain())
-        gone = asyncio.ensure_future(_client_gone(raw))
+        gone = asyncio.ensure_future(client_gone(raw))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -550,23 +540,6 @@ class OpenAIServing:
 def sampling_defaults(engine: Any) -> SamplingDefaults:
     """The engine's resolved defaults (an engine without them: OpenAI's neutral values)."""
     return getattr(engine, "sampling_defaults", None) or SamplingDefaults()
-
-
-class _Stream(StreamingResponse):
-    """An SSE response that always ends its generator: closed explicitly (not left to the garbage
-    collector) when sending fails or times out, and `on_exit` called if it never started (its
-    `finally`, which aborts the engine requests and releases the tenant's lease, never ran)."""
-
-    def __init__(self, body: Any, on_exit: Any):
-        super().__init__(body, media_type="text/event-stream", headers=SSE_HEADERS)
-        self._on_exit = on_exit
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[union-attr]
-            self._on_exit()  # a no-op when the generator's own finally has ended the request
 
 
 def _token_counts(finals: list[RequestOutput | None]) -> tuple[int, int]:
