@@ -25,6 +25,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 
 from inferlab.engine.async_llm import AsyncLLM, EngineLike
 from inferlab.engine.kv_events import KVEventLog, page_json, snapshot_json
@@ -171,18 +172,20 @@ def build_app(
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    def loaded_engine() -> Any:
+        if llm.engine is None or not llm.ready:
+            raise ApiError(503, "Loading model", "unavailable_error", headers={"Retry-After": "5"})
+        return llm.engine
+
     @app.get("/server_info", dependencies=guarded)
     async def server_info() -> JSONResponse:
         """The engine's own decisions (precision, kernels, KV cache), once it is loaded."""
-        engine = llm.engine
-        if engine is None or not llm.ready:
-            raise ApiError(503, "Loading model", "unavailable_error", headers={"Retry-After": "5"})
+        engine = loaded_engine()
         info = engine.info() if hasattr(engine, "info") else {"model": engine.model_name}
         return JSONResponse({**info, "served_model_names": list(serving.model_names())})
 
     def events_log() -> KVEventLog:
-        if not llm.ready:
-            raise ApiError(503, "Loading model", "unavailable_error", headers={"Retry-After": "5"})
+        loaded_engine()
         if not kv_log:
             raise ApiError(404, "KV events are off on this server (started with --no-kv-events, or the engine has "
                                 "no prefix cache log)", "not_found_error")  # fmt: skip
@@ -208,19 +211,18 @@ def build_app(
     @app.get("/props", dependencies=guarded)
     async def props() -> JSONResponse:
         """llama-server's /props: context, slots, sampling defaults; and our precision and kernels."""
-        engine = llm.engine
-        if engine is None or not llm.ready:
-            raise ApiError(503, "Loading model", "unavailable_error", headers={"Retry-After": "5"})
-        return JSONResponse(server_props.props(engine, list(serving.model_names())))
+        return JSONResponse(server_props.props(loaded_engine(), list(serving.model_names())))
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> JSONResponse:
         return JSONResponse(serving.models())
 
-    async def counted(tenant: Tenant, handle: Callable[[], Awaitable[Response]]) -> Response:
+    async def counted(tenant: Tenant, raw: Request, body: type[BaseModel],
+                      serve: Callable[..., Awaitable[Response]]) -> Response:  # fmt: skip
         """The route's response, its outcome counted for the tenant (a stream's when it ends)."""
+        arrival = time.monotonic()
         try:
-            response = await handle()
+            response = await serve(await parse_body(raw, body), raw, arrival, tenant)
         except ApiError as e:
             tenant_metrics.outcome(tenant.name, outcome_of_status(e.status))
             raise
@@ -236,23 +238,11 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request, tenant: Tenant = Depends(guard)) -> Response:
-        arrival = time.monotonic()
-
-        async def handle() -> Response:
-            req = await parse_body(raw, ChatCompletionRequest)
-            return await serving.chat(req, raw, arrival, tenant)
-
-        return await counted(tenant, handle)
+        return await counted(tenant, raw, ChatCompletionRequest, serving.chat)
 
     @app.post("/v1/completions")
     async def completions(raw: Request, tenant: Tenant = Depends(guard)) -> Response:
-        arrival = time.monotonic()
-
-        async def handle() -> Response:
-            req = await parse_body(raw, CompletionRequest)
-            return await serving.completion(req, raw, arrival, tenant)
-
-        return await counted(tenant, handle)
+        return await counted(tenant, raw, CompletionRequest, serving.completion)
 
     @app.post("/tokenize", dependencies=guarded)
     async def tokenize(raw: Request) -> JSONResponse:
