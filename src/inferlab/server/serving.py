@@ -256,19 +256,8 @@ class OpenAIServing:
                 params = dataclasses.replace(params, structured_outputs=forced)
             parser = choose_parser(self.tool_call_parser, getattr(engine.tokenizer, "chat_template", None))
             tool_output = ToolOutput(tools, parser)
-        ctx = ResponseContext(
-            kind="chat",
-            response_id=f"chatcmpl-{uuid.uuid4().hex}",
-            created=int(time.time()),
-            model=model,
-            n=params.n,
-            include_usage=req.include_usage,
-            continuous_usage=req.continuous_usage,
-            want_logprobs=params.logprobs is not None,
-            token_text=self.token_text() if params.logprobs is not None else None,
-            tools=tool_output,
-            reasoning=self.reasoning_parser is not None,
-        )
+        ctx = self._context("chat", "chatcmpl", model, params, req, params.logprobs is not None, tools=tool_output,
+                            reasoning=self.reasoning_parser is not None)
         log_text = req.messages[-1].plain()["content"] if self.log_prompts else None
         return await self._serve(ctx, [prompt_ids], params, req, raw, arrival, "messages", log_text, tenant)
 
@@ -291,25 +280,20 @@ class OpenAIServing:
                 (t if t is not None else self._decode_prompt(engine.tokenizer, ids), ids) for t, ids in zip(texts, prompts)
             ]
         need_text = params.logprobs is not None or req.prompt_logprobs is not None
-        ctx = ResponseContext(
-            kind="completion",
-            response_id=f"cmpl-{uuid.uuid4().hex}",
-            created=int(time.time()),
-            model=model,
-            n=params.n,
-            include_usage=req.include_usage,
-            continuous_usage=req.continuous_usage,
-            want_logprobs=params.logprobs is not None,
-            token_text=self.token_text() if need_text else None,
-            echo_prompts=echo_prompts,
-            echo_only=req.echo_only,
-            logprobs=req.logprobs,
-            prompt_logprobs=req.prompt_logprobs,
-        )
+        ctx = self._context("completion", "cmpl", model, params, req, need_text, echo_prompts=echo_prompts,
+                            echo_only=req.echo_only, logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs)
         log_text = None
         if self.log_prompts:
             log_text = req.prompt if isinstance(req.prompt, str) else str(req.prompt)[:2000]
         return await self._serve(ctx, prompts, params, req, raw, arrival, "prompt", log_text, tenant)
+
+    def _context(self, kind: str, id_prefix: str, model: str, params: SamplingParams,
+                 req: ChatCompletionRequest | CompletionRequest, need_text: bool, **route: Any) -> ResponseContext:
+        """What the response is built from: the fields both routes share, then the route's own."""
+        return ResponseContext(kind=kind, response_id=f"{id_prefix}-{uuid.uuid4().hex}", created=int(time.time()),
+                               model=model, n=params.n, include_usage=req.include_usage,
+                               continuous_usage=req.continuous_usage, want_logprobs=params.logprobs is not None,
+                               token_text=self.token_text() if need_text else None, **route)  # fmt: skip
 
     async def _serve(
         self,
@@ -515,8 +499,7 @@ class OpenAIServing:
     ) -> None:
         """One line per request; the prompt text only with --log-prompts."""
         done = [o for o in finals if o is not None]
-        n_in = sum(len(o.prompt_token_ids) for o in done)
-        n_out = sum(len(c.token_ids) for o in done for c in o.outputs)
+        n_in, n_out = _token_counts(done)
         cached = sum(o.metrics.num_cached_tokens for o in done)
         ttfts = [o.metrics.ttft_ms for o in done if o.metrics.first_token_time is not None]
         ttft = f"{min(ttfts):.1f}" if ttfts else "-"
