@@ -30,6 +30,7 @@ from inferlab.models.backends import select_backends
 from inferlab.models.loader import load_model
 from inferlab.models.precision import resolve_precision
 from inferlab.models.registry import resolve_model
+from inferlab.models.tp import tp_backends
 from inferlab.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -88,7 +89,7 @@ class LLMEngine(RequestBook):
         logger.info("%s", self.precision.describe(loaded.config))
         self.backends = select_backends(self.precision, loaded.config, load.decoder_backend, load.attention_backend)
         if self.parallel is not None:
-            self.backends = self.parallel.backends(self.backends)  # no whole-step kernel across ranks
+            self.backends = tp_backends(self.backends)  # every rank's, the runner's too: no whole-step kernel across ranks
         logger.info("%s", self.backends.describe())
         self.runner = ModelRunner(loaded.config, loaded.weights, self.precision, config.cache, seed=load.seed,
                                   backends=self.backends, parallel=self.parallel)
