@@ -69,6 +69,15 @@ def wait_ready(proc: subprocess.Popen, base: str, timeout_s: float, log_path: Pa
         time.sleep(0.05)
 
 
+def wait_router_sees(base: str, backends: Sequence[str], timeout_s: float = 60.0) -> None:
+    """Until the router at `base` reports every backend healthy."""
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(base + "/health", timeout=5).json().get("replicas", {}) != {b: "healthy" for b in backends}:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the router did not see every replica ready")
+        time.sleep(0.2)
+
+
 def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
     """SIGTERM the server's whole process group (vLLM runs its engine in a child), then SIGKILL
     whatever is left; returns only when no process of the group remains."""

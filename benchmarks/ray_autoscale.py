@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import sys
 import tempfile
 import threading
@@ -27,12 +26,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness import free_port  # noqa: E402
 
 
 def main() -> int:

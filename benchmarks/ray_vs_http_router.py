@@ -28,7 +28,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from harness import free_port, served  # noqa: E402
+from harness import free_port, served, wait_router_sees  # noqa: E402
 
 
 def workload(a: argparse.Namespace) -> list[list[int]]:
@@ -77,11 +77,7 @@ def via_http(a: argparse.Namespace, model: str, items: list[list[int]]) -> dict:
         for b in bases:
             cmd += ["--backend", b]
         with served(cmd, base, Path(tmp) / "router.log", env=env, timeout_s=120):
-            deadline = time.monotonic() + 60
-            while httpx.get(base + "/health", timeout=5).json().get("replicas", {}) != {b: "healthy" for b in bases}:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the router did not see every replica ready")
-                time.sleep(0.2)
+            wait_router_sees(base, bases)
             result = drive(base, items, a.concurrency)
     result["spread"] = dict(zip(("replica-a", "replica-b"), sorted(result["spread"].values(), reverse=True)))
     return result

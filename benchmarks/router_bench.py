@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from harness import free_port, served, stop_group, wait_ready
+from harness import free_port, served, stop_group, wait_ready, wait_router_sees
 
 from inferlab.models.registry import DEFAULT_MODEL
 
@@ -281,11 +281,7 @@ def compare(launcher: list[str], env: dict, bases: list[str], items: list[tuple[
             cmd += ["--tokenizer", args.tokenizer or args.model or DEFAULT_MODEL.name]
         base = f"http://127.0.0.1:{port}"
         with served(cmd, base, tmp / f"router-{tag}-{policy}.log", env=env, timeout_s=120):
-            deadline = time.monotonic() + 60
-            while httpx.get(base + "/health", timeout=5).json().get("replicas", {}) != {b: "healthy" for b in bases}:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the router did not see every replica ready")
-                time.sleep(0.2)
+            wait_router_sees(base, bases)
             time.sleep(1.0)  # a probe round or two: the KV event feeds synced
             results, wall = asyncio.run(drive(base, items, run_args, salt=f"{tag}-{policy}-{uuid.uuid4().hex}"))
             # only cache-aware looks prompts up in the index (the others predict nothing)

@@ -15,6 +15,7 @@ from server_harness import ServerThread
 
 from inferlab import __version__
 from inferlab.engine.engine_args import EngineArgs
+from inferlab.engine.engine_core import resolve_max_model_len
 from inferlab.engine.generation_config import (
     LLAMA_CPP_DEFAULTS,
     OPENAI_DEFAULTS,
@@ -24,7 +25,6 @@ from inferlab.engine.generation_config import (
     read_hf_sampling,
     resolve_sampling_defaults,
 )
-from inferlab.engine.llm_engine import resolve_max_model_len
 from inferlab.engine.outputs import ScheduledRequest
 from inferlab.engine.request import SamplingParams
 from inferlab.engine.sampler import Sampler

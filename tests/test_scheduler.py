@@ -333,7 +333,7 @@ def test_abort_frees_blocks_from_waiting_and_running():
     assert r0.finished_time is not None
     assert sched.get_stats().kv_cache_usage == 0.0
     assert not sched.has_unfinished_requests()
-    assert sched.get_request("0") is None
+    assert "0" not in sched.requests
     assert sched.finish_requests(["0"], RequestStatus.FINISHED_ABORTED) == []
     out = sched.schedule()
     assert out.is_empty

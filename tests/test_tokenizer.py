@@ -147,7 +147,8 @@ def test_special_ids_and_bos_handling(tok, gguf_vocab):
     assert tok.encode("hi")[0] != tok.bos_token_id
     # <|im_end|> (EOS) first, then <|endoftext|>, which llama.cpp also treats as end of generation.
     assert tok.eos_token_ids == (2, 0)
-    assert set(tok.all_special_ids) == set(range(17))  # the GGUF's 17 control tokens
+    special = {i for i, t in tok.backend.get_added_tokens_decoder().items() if t.special}
+    assert special == set(range(17))  # the GGUF's 17 control tokens
     assert tok.vocab_size == len(gguf_vocab["tokens"]) == 49152
     # Special-token text in a prompt is that token, not its characters.
     assert tok.encode("<|im_start|>user") == [1, tok.encode("user")[0]]
@@ -159,7 +160,6 @@ ROUND_TRIP_TEXTS = ["", "plain ascii", "naïve café — 漢字 😀 𝔘𝔫�
 @pytest.mark.parametrize("text", ROUND_TRIP_TEXTS)
 def test_round_trip(tok, text):
     assert tok.decode(tok.encode(text)) == text
-    assert tok.encode_batch([text, text]) == [tok.encode(text)] * 2
 
 
 def test_pieces_of_a_split_character_show_bytes(tok):

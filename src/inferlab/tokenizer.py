@@ -119,7 +119,6 @@ class Tokenizer:
         self.name = name or str(getattr(hf_tokenizer, "name_or_path", ""))
         added = self._backend.get_added_tokens_decoder()
         self._added_ids = frozenset(added)
-        self._special_ids = tuple(sorted(i for i, t in added.items() if t.special))
         self._byte_level = _decoder_is_byte_level(self._backend)
         self._eos_token_ids = self._find_eos_ids(added, extra_eos_token_ids)
         # What the post-processor does to an empty text tells whether encode() adds BOS/EOS;
@@ -196,10 +195,6 @@ class Tokenizer:
         if not isinstance(text, str):
             raise ValueError(f"the text to tokenize must be a string, not {type(text).__name__}")
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
-
-    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
-        """Many texts in one call (the Rust side runs them in parallel)."""
-        return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -303,11 +298,6 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Ids in use, added tokens included (the model's embedding table may be larger)."""
         return self._backend.get_vocab_size(with_added_tokens=True)
-
-    @property
-    def all_special_ids(self) -> tuple[int, ...]:
-        """Ids that `decode(..., skip_special_tokens=True)` leaves out."""
-        return self._special_ids
 
     @property
     def hf(self) -> Any:

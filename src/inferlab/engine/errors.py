@@ -24,7 +24,6 @@ class ContextLengthError(ValueError):
                 "shorten the prompt or lower max_tokens"
             )
         super().__init__(msg)
-        self.excess = over
 
 
 class EngineDeadError(RuntimeError):

@@ -47,7 +47,6 @@ class HeapTrimmer:
         self._trim = trim if trim is not None else _libc_malloc_trim()
         self._clock = clock
         self._last = clock()
-        self.num_trims = 0
 
     @property
     def enabled(self) -> bool:
@@ -62,5 +61,4 @@ class HeapTrimmer:
             return False
         self._trim(0)
         self._last = now
-        self.num_trims += 1
         return True

@@ -15,24 +15,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from inferlab.config import EngineConfig
-from inferlab.engine.detokenizer import IncrementalDetokenizer
 from inferlab.engine.draft_proposer import DraftModelProposer, build_draft_proposer
-from inferlab.engine.engine_core import RequestBook
-from inferlab.engine.errors import ContextLengthError
+from inferlab.engine.engine_core import RequestBook, resolve_max_model_len
 from inferlab.engine.generation_config import resolve_sampling_defaults
 from inferlab.engine.heap import HeapTrimmer
-from inferlab.engine.kv_events import KVEventLog
 from inferlab.engine.model_runner import ModelRunner, num_kv_blocks
 from inferlab.engine.output_processor import OutputProcessor
 from inferlab.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from inferlab.engine.request import (
-    Request,
-    RequestOptions,
-    RequestOutput,
-    RequestStatus,
-    SamplingParams,
-    StructuredOutputsParams,
-)
+from inferlab.engine.request import RequestOutput, SamplingParams, StructuredOutputsParams
 from inferlab.engine.scheduler import Scheduler
 from inferlab.engine.structured_outputs import GrammarCompiler
 from inferlab.engine.tracing import TraceRecorder
@@ -40,6 +30,7 @@ from inferlab.models.backends import select_backends
 from inferlab.models.loader import load_model
 from inferlab.models.precision import resolve_precision
 from inferlab.models.registry import resolve_model
+from inferlab.models.tp import tp_backends
 from inferlab.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -98,7 +89,7 @@ class LLMEngine(RequestBook):
         logger.info("%s", self.precision.describe(loaded.config))
         self.backends = select_backends(self.precision, loaded.config, load.decoder_backend, load.attention_backend)
         if self.parallel is not None:
-            self.backends = self.parallel.backends(self.backends)  # no whole-step kernel across ranks
+            self.backends = tp_backends(self.backends)  # every rank's, the runner's too: no whole-step kernel across ranks
         logger.info("%s", self.backends.describe())
         self.runner = ModelRunner(loaded.config, loaded.weights, self.precision, config.cache, seed=load.seed,
                                   backends=self.backends, parallel=self.parallel)
@@ -154,20 +145,11 @@ class LLMEngine(RequestBook):
         self.scheduler = self._new_scheduler()
         self.traces.clear()
 
-    def enable_kv_events(self, capacity: int = 8192) -> KVEventLog:
-        """The prefix cache's changes from now on, as a KV event log (block_pool.enable_events)."""
-        return self.scheduler.kv_cache_manager.block_pool.enable_events(capacity, self.cache_config.block_size)
-
     def _new_scheduler(self) -> Scheduler:
         if self.draft_proposer is not None:
             self.draft_proposer.reset()
         return Scheduler(self.scheduler_config, self.cache_config, self.num_blocks,
                          speculative_config=self.speculative_config, proposer=self.draft_proposer)
-
-    @property
-    def max_model_len(self) -> int:
-        assert self.scheduler_config.max_model_len is not None  # resolved in __init__
-        return self.scheduler_config.max_model_len
 
     @property
     def vocab_size(self) -> int:
@@ -204,90 +186,11 @@ class LLMEngine(RequestBook):
             "model_path": str(self.model_path) if self.model_path is not None else None,
         }
 
-    @property
-    def max_num_seqs(self) -> int:
-        """Requests that can run at once (AsyncLLM's admission counts waiting beyond these)."""
-        return self.scheduler_config.max_num_seqs
-
-    def _make_detokenizer(self, prompt_token_ids: list[int], params: SamplingParams):
-        if self.tokenizer is None:
-            return None
-        return IncrementalDetokenizer(
-            self.tokenizer,
-            prompt_token_ids,
-            stop=params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output,
-            skip_special_tokens=params.skip_special_tokens,
-        )
-
-    # ------------------------------------------------------------------ requests
-
-    def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompts as token ids")
-            return prompt, self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        return None, ids
-
-    def check_length(self, n_prompt: int, params: SamplingParams) -> None:
-        """Raises ContextLengthError when prompt + max_tokens exceed the context window."""
-        if n_prompt == 0:
-            raise ValueError("the prompt is empty")
-        n_ctx = self.max_model_len
-        if n_prompt >= n_ctx or (params.max_tokens is not None and n_prompt + params.max_tokens > n_ctx):
-            raise ContextLengthError(n_prompt, params.max_tokens, n_ctx)
-
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        options: RequestOptions | None = None,
-    ) -> None:
-        """Validate and queue a request; raises ValueError (ContextLengthError) on bad input.
-
-        A request with `prompt_logprobs` does not look the prefix cache up (its blocks still
-        enter the cache for others): prompt logprobs come from the prefill's own logits, and
-        cached positions are never computed, so a hit would leave them out. Recomputing the
-        prompt is the simple correct choice, as vLLM makes it; only requests asking pay.
-        """
-        options = (options or RequestOptions()).arrived(time.monotonic())
-        arrival = options.arrival_time
-        assert arrival is not None  # set by arrived()
-        if request_id in self.output_processor.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self.encode_prompt(prompt)
-        params.check_vocab(self.vocab_size)
-        self.check_length(len(ids), params)
-        so = params.structured_outputs
-        if so is not None:
-            self.compile_grammar(so)  # the server has compiled it already: a cache hit
-        n = params.n
-        child_ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
-        self.output_processor.add_request(request_id, child_ids, text, ids, params, arrival)
-        self.traces.start(request_id, arrival)
-        for i, cid in enumerate(child_ids):
-            child_params = params
-            if n > 1:
-                # Each child is its own sequence; seeded requests get distinct, reproducible seeds.
-                child_params = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-            self.scheduler.add_request(
-                Request(
-                    request_id=cid,
-                    prompt_token_ids=ids,
-                    sampling_params=child_params,
-                    eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
-                    arrival_time=arrival,
-                    cache_salt=options.cache_salt,
-                    use_prefix_cache=options.use_prefix_cache and params.prompt_logprobs is None,
-                    max_model_len=self.max_model_len,
-                    grammar=self.grammars.matcher(so) if so is not None and self.grammars is not None else None,
-                )
-            )
+    def _grammar_factory(self, so: StructuredOutputsParams) -> Callable[[], Any]:
+        self.compile_grammar(so)  # the server has compiled it already: a cache hit
+        grammars = self.grammars
+        assert grammars is not None  # else compile_grammar raised
+        return lambda: grammars.matcher(so)
 
     def compile_grammar(self, params: StructuredOutputsParams) -> None:
         """Compile a structured-outputs constraint into the cache; ValueError naming the problem.
@@ -303,8 +206,7 @@ class LLMEngine(RequestBook):
         outputs, self._pending = self._pending, []
         so = self.scheduler.schedule()
         if so.is_empty:
-            self._trace_finished(outputs)
-            return outputs
+            return self._trace_finished(outputs)
         started = time.monotonic()
         try:
             ro = self.runner.execute(so)
@@ -318,39 +220,13 @@ class LLMEngine(RequestBook):
             self.output_processor.add_prompt_logprobs(ro.prompt_logprobs)
         if ro.prompt_logprob_rows:
             self.output_processor.add_prompt_logprob_rows(ro.prompt_logprob_rows)
-        core = self.scheduler.update_from_output(so, ro)
-        now = time.monotonic()
-        step_outputs, stopped = self.output_processor.process(core, now)
-        if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        outputs.extend(step_outputs)
+        outputs = self._end_step(so, ro, outputs)
         self.heap_trimmer.after_step(idle=not self.scheduler.has_unfinished_requests())
-        self._trace_finished(outputs)
         return outputs
-
-    def _trace_finished(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            if out.finished:
-                self.traces.finish(out)
 
 
 # LoadedModel.format -> where its own sampling defaults were read.
 _SOURCE_NAMES = {"gguf": "gguf", "hf": "generation_config.json", "dummy": "openai"}
-
-
-def resolve_max_model_len(asked: int | None, model_len: int, pool_tokens: int) -> int:
-    """The context window, logged: what the user asked (else the model's context length), no more
-    than the model was trained for and than the KV pool holds for one request (else a lone long
-    request would preempt itself forever). vLLM and llama-server default to the model's too."""
-    want = model_len if asked is None else asked
-    max_len = min(want, model_len, pool_tokens)
-    why = "the model's context length" if asked is None else "asked"
-    if max_len < want:
-        limit = "the model's context length" if max_len == model_len else f"what the KV pool holds ({pool_tokens} tokens)"
-        logger.info("max_model_len %d (%s %d, capped by %s)", max_len, why, want, limit)
-    else:
-        logger.info("max_model_len %d (%s; the KV pool holds %d tokens)", max_len, why, pool_tokens)
-    return max_len
 
 
 def _load_tokenizer(resolved) -> Tokenizer | None:

@@ -107,13 +107,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request (FCFS). The engine validates token counts for its users; checked
         again here so that a caller that skips it (the simulator, a test) fails at once."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
-        if request.num_tokens >= self._max_len(request):
-            raise ValueError(
-                f"request {request.request_id!r} has {request.num_tokens} tokens: no room to generate "
-                f"within its context window of {self._max_len(request)}"
-            )
+        self._check_new(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -127,16 +121,10 @@ class Scheduler:
         False, changing nothing, when max_num_seqs or the free blocks cannot take it now: a
         decode worker reserves blocks before it accepts K/V, so the caller holds the request
         and asks again after a step."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        self._check_new(request)
         if not 0 < num_computed_tokens < request.num_tokens:
             raise ValueError(f"request {request.request_id!r}: {num_computed_tokens} computed tokens must be in "
                              f"[1, {request.num_tokens - 1}] (at least one token left to compute)")
-        if request.num_tokens >= self._max_len(request):
-            raise ValueError(
-                f"request {request.request_id!r} has {request.num_tokens} tokens: no room to generate "
-                f"within its context window of {self._max_len(request)}"
-            )
         if len(self.running) >= self.config.max_num_seqs:
             return False
         before, request.num_computed_tokens = request.num_computed_tokens, 0
@@ -151,9 +139,12 @@ class Scheduler:
         self.running.append(request)
         return True
 
-    def get_request(self, request_id: str) -> Request | None:
-        """An unfinished request by id, else None."""
-        return self.requests.get(request_id)
+    def _check_new(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        if request.num_tokens >= self._max_len(request):
+            raise ValueError(f"request {request.request_id!r} has {request.num_tokens} tokens: no room to generate "
+                             f"within its context window of {self._max_len(request)}")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)

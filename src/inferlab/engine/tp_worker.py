@@ -51,7 +51,7 @@ from inferlab.models.backends import Backends
 from inferlab.models.decoder import DecoderModel
 from inferlab.models.kv_cache import KVCache, allocate_kv_cache
 from inferlab.models.precision import ResolvedPrecision
-from inferlab.models.tp import TPShard, build_shard, check_tensor_parallel, describe_shards, plan_shards, tp_backends
+from inferlab.models.tp import TPShard, build_shard, check_tensor_parallel, describe_shards, plan_shards
 
 log = logging.getLogger(__name__)
 
@@ -237,11 +237,6 @@ class TensorParallelGroup:
     def pids(self) -> list[int]:
         """The other ranks' process ids (the tests check none outlives the engine)."""
         return [p.pid for p in self.procs]
-
-    @staticmethod
-    def backends(backends: Backends) -> Backends:
-        """The backends every rank runs (models/tp.py `tp_backends`): the runner's too."""
-        return tp_backends(backends)
 
     def rank0_model(self, config: ModelConfig, weights: dict[str, torch.Tensor], precision: ResolvedPrecision,
                     backends: Backends) -> Rank0Model:

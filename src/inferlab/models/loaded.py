@@ -29,10 +29,6 @@ class LoadedModel:
     # while the file is open: engine/generation_config.py resolves them against the others.
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
-    @property
-    def num_parameters(self) -> int:
-        return sum(t.numel() for t in self.weights.values())
-
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every weight the decoder needs for `config`, in torch (out_features, in_features) order."""

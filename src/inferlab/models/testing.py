@@ -105,13 +105,6 @@ def _tiny_tokenizer_json() -> str:
     return tok.to_str()
 
 
-def make_tiny_tokenizer() -> Any:
-    """A byte-level BPE (`tokenizers.Tokenizer`) trained on a small built-in corpus; ids 0-2 are special."""
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_str(_tiny_tokenizer_json())
-
-
 def save_tiny_tokenizer(directory: str | Path) -> Path:
     """tokenizer.json + tokenizer_config.json (ChatML template, eos <|im_end|>) + special_tokens_map.json."""
     directory = Path(directory)

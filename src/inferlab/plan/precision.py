@@ -75,7 +75,3 @@ def _ggml_bits(key: str) -> float | None:
         return None
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     return size * 8.0 / block
-
-
-def known_precisions() -> list[str]:
-    return sorted(_BITS)

@@ -19,7 +19,6 @@ from typing import Any
 import httpx
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferlab.router.canary import Canary, CanaryConfig
 from inferlab.router.fleet import Fleet
@@ -31,6 +30,7 @@ from inferlab.router.probes import Prober
 from inferlab.router.proxy import Proxy, ProxySettings, unavailable
 from inferlab.router.tokens import LocalTokenizer, PromptTokenizer, RemoteTokenizer, prompt_spec
 from inferlab.server.auth import ApiKeyGuard
+from inferlab.server.httputil import add_error_handlers, client_gone
 from inferlab.server.protocol import ApiError
 from inferlab.server.tenants import Tenant, TenantTable
 
@@ -74,18 +74,6 @@ def normalize_backend(url: str) -> str:
     return url
 
 
-def _error(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-
-async def _client_gone(raw: Request) -> None:
-    """Returns when the client disconnects (its body has been read: only a disconnect can come)."""
-    while True:
-        message = await raw.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 def build_router_app(settings: RouterSettings, *, tokenizer: PromptTokenizer | None = None) -> FastAPI:
     backends = [normalize_backend(b) for b in settings.backends]
     canaries = [normalize_backend(b) for b in settings.canaries]
@@ -98,10 +86,7 @@ def build_router_app(settings: RouterSettings, *, tokenizer: PromptTokenizer | N
         metrics.canary_weight.set_function(lambda: canary.weight)
     admin_key = settings.admin_key or settings.api_key
     admin_guard = ApiKeyGuard(TenantTable.single_key(admin_key)) if admin_key else None
-    if settings.tenants is not None and settings.api_key:
-        raise ValueError("give either an API key or a tenants file (--api-key or --api-keys), not both")
-    table = settings.tenants or (TenantTable.single_key(settings.api_key) if settings.api_key else TenantTable.open_access())
-    guard = ApiKeyGuard(table)
+    guard = ApiKeyGuard(TenantTable.of(settings.api_key, settings.tenants))
     upstream_key = settings.backend_api_key or settings.api_key
     own_auth = {"authorization": f"Bearer {upstream_key}"} if upstream_key else {}  # the router's own calls
     fixed_auth = {} if settings.tenants is not None else own_auth  # on clients' requests (tenants: their own)
@@ -134,15 +119,7 @@ def build_router_app(settings: RouterSettings, *, tokenizer: PromptTokenizer | N
     app.state.metrics = metrics
     app.state.router_settings = settings  # (not `settings`: the test harness reads that as the server's)
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return _error(exc)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        headers = dict(exc.headers) if exc.headers else None
-        return _error(ApiError(exc.status_code, str(exc.detail), kind, headers=headers))
+    add_error_handlers(app)
 
     guarded = [Depends(guard)]
 
@@ -252,7 +229,7 @@ def build_router_app(settings: RouterSettings, *, tokenizer: PromptTokenizer | N
         request = fleet.request(ids, salt, str(session) if session is not None else None)
         proxy: Proxy = holder["proxy"]
         exchange = asyncio.ensure_future(proxy.forward(path, body, upstream_headers(raw), request, stream))
-        gone = asyncio.ensure_future(_client_gone(raw))
+        gone = asyncio.ensure_future(client_gone(raw))
         try:
             await asyncio.wait({exchange, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:

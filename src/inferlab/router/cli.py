@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import signal
 
 from inferlab.router.policies import POLICIES
 
@@ -72,6 +70,7 @@ def settings_from_args(args: argparse.Namespace):
     from inferlab.router.app import RouterSettings, normalize_backend
     from inferlab.router.canary import CanaryConfig
     from inferlab.router.proxy import ProxySettings
+    from inferlab.server.tenants import keys_from_args
 
     backends = tuple(normalize_backend(b) for b in args.backend)
     if len(set(backends)) != len(backends):
@@ -100,14 +99,7 @@ def settings_from_args(args: argparse.Namespace):
     canary = CanaryConfig(weight=weights.pop() if weights else 0.1, window_s=args.canary_window,
                           min_requests=args.canary_min_requests, max_error_rate_delta=args.canary_max_error_delta,
                           max_ttft_ratio=args.canary_max_ttft_ratio)  # fmt: skip
-    api_key = args.api_key or os.environ.get("INFERLAB_API_KEY") or None
-    tenants = None
-    if args.api_keys is not None:
-        if api_key is not None:
-            raise ValueError("--api-keys and --api-key (or INFERLAB_API_KEY) both give keys: use one")
-        from inferlab.server.tenants import load_tenants
-
-        tenants = load_tenants(args.api_keys)
+    api_key, tenants = keys_from_args(args.api_key, args.api_keys)
     return RouterSettings(
         backends=backends,
         policy=args.policy,
@@ -134,15 +126,12 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from inferlab.router.app import build_router_app
+    from inferlab.server.httputil import run_until_sigterm
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = build_router_app(settings_from_args(args))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            access_log=False, timeout_graceful_shutdown=args.shutdown_timeout,
                                            lifespan="on"))  # fmt: skip
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # see server/cli.py run_server
-    try:
-        server.run()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    run_until_sigterm(server)
     return 0

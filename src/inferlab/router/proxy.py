@@ -18,12 +18,12 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from inferlab.router.canary import Canary
 from inferlab.router.fleet import Fleet
@@ -31,10 +31,10 @@ from inferlab.router.health import Circuit
 from inferlab.router.metrics import RouterMetrics
 from inferlab.router.policies import RouteRequest
 from inferlab.router.replica import Ticket
+from inferlab.server.httputil import SSE_HEADERS, ClosingStream
 
 logger = logging.getLogger("inferlab.router")
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # Retried on another replica: overload and server faults. 4xx (bad input) go back as they are.
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 # Server faults count against the replica's circuit; overload answers do not.
@@ -222,8 +222,8 @@ class Proxy:
                 await upstream.aclose()
                 self._end(ticket, "abandoned")
 
-            return _RelayResponse(self._relay(first, rest, it, resp, ticket, state), never_started,
-                                  headers={**SSE_HEADERS, **self._headers(resp, ticket, sse=True)})
+            return ClosingStream(self._relay(first, rest, it, resp, ticket, state), never_started,
+                                 headers={**SSE_HEADERS, **self._headers(resp, ticket, sse=True)})
         except _EndedEarly as e:
             self._end(ticket, "fatal", str(e))
             return _Failure("fatal", "ended_early", str(e))
@@ -319,22 +319,6 @@ class Proxy:
             self.metrics.usage(int(u.get("prompt_tokens") or 0), int(details.get("cached_tokens") or 0))
         except (TypeError, ValueError):
             pass
-
-
-class _RelayResponse(StreamingResponse):
-    """An SSE response that always ends its relay: closed explicitly when sending fails, and
-    `on_exit` run if the relay never started (its `finally` never ran)."""
-
-    def __init__(self, body: AsyncIterator[bytes], on_exit: Callable[[], Awaitable[None]], headers: dict[str, str]):
-        super().__init__(body, status_code=200, media_type="text/event-stream", headers=headers)
-        self._on_exit = on_exit
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
-            await self._on_exit()  # a no-op once the relay has released the ticket
 
 
 def _has_token(chunk: dict[str, Any]) -> bool:

@@ -25,12 +25,13 @@ from typing import Any
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from pydantic import BaseModel
 
 from inferlab.engine.async_llm import AsyncLLM, EngineLike
 from inferlab.engine.kv_events import KVEventLog, page_json, snapshot_json
 from inferlab.server import props as server_props
 from inferlab.server.auth import ApiKeyGuard
+from inferlab.server.httputil import add_error_handlers, error_response
 from inferlab.server.limits import HttpLimits, LimitsMiddleware
 from inferlab.server.live import LiveStats, Observers
 from inferlab.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics, TenantMetrics, outcome_of_status
@@ -70,17 +71,6 @@ class ServerSettings:
     tool_call_parser: str = "auto"  # how "auto" tool calls are read (server/tool_calls.py)
     reasoning_parser: str | None = None  # "qwen3": <think> blocks into reasoning_content (server/reasoning.py)
 
-    def tenant_table(self) -> TenantTable:
-        if self.tenants is not None and self.api_key is not None:
-            raise ValueError("give either an API key or a tenants file (--api-key or --api-keys), not both")
-        if self.tenants is not None:
-            return self.tenants
-        return TenantTable.single_key(self.api_key) if self.api_key else TenantTable.open_access()
-
-
-def _error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
 
 def build_app(
     engine_factory: Callable[[], EngineLike],
@@ -91,7 +81,7 @@ def build_app(
     """An app serving the engine that `engine_factory` builds (called on the engine thread);
     `clock` drives the tenants' rate windows (tests step it by hand)."""
     settings = settings or ServerSettings()
-    table = settings.tenant_table()
+    table = TenantTable.of(settings.api_key, settings.tenants)
     metrics = ServerMetrics(model_name=settings.served_model_names[0] if settings.served_model_names else None)
     tenant_metrics = TenantMetrics(metrics.registry, table.names)
     gate = TenantGate(
@@ -151,56 +141,51 @@ def build_app(
     app.state.settings = settings
     app.state.serving = serving
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return _error_response(exc)
+    add_error_handlers(app)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(validation_error(exc))
+        return error_response(validation_error(exc))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         # A bug or a failing component (a tokenizer that raises): logged with its traceback,
         # answered in the same error shape as every other failure, the server stays up.
         logger.exception("unexpected error on %s %s", request.method, request.url.path)
-        return _error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error"))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error_response(ApiError(exc.status_code, str(exc.detail), kind, headers=exc.headers))
+        return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error"))
 
     guarded = [Depends(guard)]
 
     @app.get("/health")
     async def health() -> Response:
         if llm.load_error is not None:
-            return _error_response(ApiError(503, f"the model failed to load: {llm.load_error}", "unavailable_error"))
+            return error_response(ApiError(503, f"the model failed to load: {llm.load_error}", "unavailable_error"))
         if llm.dead_error is not None:
-            return _error_response(ApiError(503, f"the engine loop stopped: {llm.dead_error}", "unavailable_error"))
+            return error_response(ApiError(503, f"the engine loop stopped: {llm.dead_error}", "unavailable_error"))
         if not llm.ready:
-            return _error_response(ApiError(503, "Loading model", "unavailable_error", headers={"Retry-After": "5"}))
+            return error_response(ApiError(503, "Loading model", "unavailable_error", headers={"Retry-After": "5"}))
         if not llm.is_healthy():
-            return _error_response(ApiError(503, "the engine loop has stalled", "unavailable_error"))
+            return error_response(ApiError(503, "the engine loop has stalled", "unavailable_error"))
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics", dependencies=[] if settings.metrics_public else guarded)
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    def loaded_engine() -> Any:
+        if llm.engine is None or not llm.ready:
+            raise ApiError(503, "Loading model", "unavailable_error", headers={"Retry-After": "5"})
+        return llm.engine
+
     @app.get("/server_info", dependencies=guarded)
     async def server_info() -> JSONResponse:
         """The engine's own decisions (precision, kernels, KV cache), once it is loaded."""
-        engine = llm.engine
-        if engine is None or not llm.ready:
-            raise ApiError(503, "Loading model", "unavailable_error", headers={"Retry-After": "5"})
+        engine = loaded_engine()
         info = engine.info() if hasattr(engine, "info") else {"model": engine.model_name}
         return JSONResponse({**info, "served_model_names": list(serving.model_names())})
 
     def events_log() -> KVEventLog:
-        if not llm.ready:
-            raise ApiError(503, "Loading model", "unavailable_error", headers={"Retry-After": "5"})
+        loaded_engine()
         if not kv_log:
             raise ApiError(404, "KV events are off on this server (started with --no-kv-events, or the engine has "
                                 "no prefix cache log)", "not_found_error")  # fmt: skip
@@ -226,19 +211,18 @@ def build_app(
     @app.get("/props", dependencies=guarded)
     async def props() -> JSONResponse:
         """llama-server's /props: context, slots, sampling defaults; and our precision and kernels."""
-        engine = llm.engine
-        if engine is None or not llm.ready:
-            raise ApiError(503, "Loading model", "unavailable_error", headers={"Retry-After": "5"})
-        return JSONResponse(server_props.props(engine, list(serving.model_names())))
+        return JSONResponse(server_props.props(loaded_engine(), list(serving.model_names())))
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> JSONResponse:
         return JSONResponse(serving.models())
 
-    async def counted(tenant: Tenant, handle: Callable[[], Awaitable[Response]]) -> Response:
+    async def counted(tenant: Tenant, raw: Request, body: type[BaseModel],
+                      serve: Callable[..., Awaitable[Response]]) -> Response:  # fmt: skip
         """The route's response, its outcome counted for the tenant (a stream's when it ends)."""
+        arrival = time.monotonic()
         try:
-            response = await handle()
+            response = await serve(await parse_body(raw, body), raw, arrival, tenant)
         except ApiError as e:
             tenant_metrics.outcome(tenant.name, outcome_of_status(e.status))
             raise
@@ -254,23 +238,11 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request, tenant: Tenant = Depends(guard)) -> Response:
-        arrival = time.monotonic()
-
-        async def handle() -> Response:
-            req = await parse_body(raw, ChatCompletionRequest)
-            return await serving.chat(req, raw, arrival, tenant)
-
-        return await counted(tenant, handle)
+        return await counted(tenant, raw, ChatCompletionRequest, serving.chat)
 
     @app.post("/v1/completions")
     async def completions(raw: Request, tenant: Tenant = Depends(guard)) -> Response:
-        arrival = time.monotonic()
-
-        async def handle() -> Response:
-            req = await parse_body(raw, CompletionRequest)
-            return await serving.completion(req, raw, arrival, tenant)
-
-        return await counted(tenant, handle)
+        return await counted(tenant, raw, CompletionRequest, serving.completion)
 
     @app.post("/tokenize", dependencies=guarded)
     async def tokenize(raw: Request) -> JSONResponse:

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import signal
 import sys
 import threading
 
@@ -105,6 +103,7 @@ def queue_len(flag: int | None, max_num_seqs: int) -> int | None:
 def run(args: argparse.Namespace) -> int:
     from inferlab.ray_serve.launch import scale_config
     from inferlab.server.app import ServerSettings, build_app
+    from inferlab.server.tenants import keys_from_args
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     scale = scale_config(args)  # None: one in-process server; bad replica flags fail here
@@ -112,14 +111,7 @@ def run(args: argparse.Namespace) -> int:
     if args.request_timeout is not None and args.request_timeout <= 0:
         raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
     served = tuple(args.served_model_name or ())
-    api_key = args.api_key or os.environ.get("INFERLAB_API_KEY") or None
-    tenants = None
-    if args.api_keys is not None:
-        if api_key is not None:
-            raise ValueError("--api-keys and --api-key (or INFERLAB_API_KEY) both give keys: use one")
-        from inferlab.server.tenants import load_tenants
-
-        tenants = load_tenants(args.api_keys)  # a bad file: one line naming the line, exit 2
+    api_key, tenants = keys_from_args(args.api_key, args.api_keys)
     limits = HttpLimits(
         max_request_body_bytes=args.max_request_body_bytes,
         header_timeout=args.header_timeout,
@@ -175,6 +167,7 @@ def run_server(app, host: str, port: int, *, shutdown_timeout: float = 30.0, log
     """
     import uvicorn
 
+    from inferlab.server.httputil import run_until_sigterm
     from inferlab.server.limits import uvicorn_options
 
     server = uvicorn.Server(
@@ -197,13 +190,7 @@ def run_server(app, host: str, port: int, *, shutdown_timeout: float = 30.0, log
             server.should_exit = True
 
     threading.Thread(target=stop_when_load_fails, name="inferlab-load-watch", daemon=True).start()
-    # uvicorn re-raises a caught SIGTERM after its graceful shutdown, into the handler that was
-    # installed before it started: a no-op one here, so that a drained server exits 0.
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    try:
-        server.run()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    run_until_sigterm(server)
     if llm.load_error is not None:
         err = llm.load_error
         if isinstance(err, (ValueError, FileNotFoundError, NotADirectoryError, PermissionError)):

@@ -22,7 +22,7 @@ import uuid
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from inferlab.engine.async_llm import AsyncLLM, EngineNotReadyError, RequestStream
@@ -30,6 +30,7 @@ from inferlab.engine.errors import EngineDeadError
 from inferlab.engine.generation_config import SamplingDefaults
 from inferlab.engine.request import RequestOptions, RequestOutput, SamplingParams
 from inferlab.server.admission import effective_timeout, to_api_error
+from inferlab.server.httputil import ClosingStream, client_gone
 from inferlab.server.metrics import TenantMetrics
 from inferlab.server.protocol import (
     ApiError,
@@ -54,9 +55,6 @@ from inferlab.server.tool_calls import (
 )
 
 logger = logging.getLogger("inferlab.server")
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
 
 async def parse_body(raw: Request, model: type[BaseModel]) -> Any:
     """The JSON body validated against `model`; malformed JSON or wrong types → ApiError(400)."""
@@ -84,14 +82,6 @@ def validation_error(e: ValidationError | Any) -> ApiError:
     msg = first.get("msg", "invalid value")
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     return bad_request(f"{param}: {msg}{more}" if param else f"{msg}{more}", param=param)
-
-
-async def _client_gone(raw: Request) -> None:
-    """Returns when the client disconnects (the body has been read: only a disconnect can come)."""
-    while True:
-        message = await raw.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 class OpenAIServing:
@@ -266,19 +256,8 @@ class OpenAIServing:
                 params = dataclasses.replace(params, structured_outputs=forced)
             parser = choose_parser(self.tool_call_parser, getattr(engine.tokenizer, "chat_template", None))
             tool_output = ToolOutput(tools, parser)
-        ctx = ResponseContext(
-            kind="chat",
-            response_id=f"chatcmpl-{uuid.uuid4().hex}",
-            created=int(time.time()),
-            model=model,
-            n=params.n,
-            include_usage=req.include_usage,
-            continuous_usage=req.continuous_usage,
-            want_logprobs=params.logprobs is not None,
-            token_text=self.token_text() if params.logprobs is not None else None,
-            tools=tool_output,
-            reasoning=self.reasoning_parser is not None,
-        )
+        ctx = self._context("chat", "chatcmpl", model, params, req, params.logprobs is not None, tools=tool_output,
+                            reasoning=self.reasoning_parser is not None)
         log_text = req.messages[-1].plain()["content"] if self.log_prompts else None
         return await self._serve(ctx, [prompt_ids], params, req, raw, arrival, "messages", log_text, tenant)
 
@@ -301,25 +280,20 @@ class OpenAIServing:
                 (t if t is not None else self._decode_prompt(engine.tokenizer, ids), ids) for t, ids in zip(texts, prompts)
             ]
         need_text = params.logprobs is not None or req.prompt_logprobs is not None
-        ctx = ResponseContext(
-            kind="completion",
-            response_id=f"cmpl-{uuid.uuid4().hex}",
-            created=int(time.time()),
-            model=model,
-            n=params.n,
-            include_usage=req.include_usage,
-            continuous_usage=req.continuous_usage,
-            want_logprobs=params.logprobs is not None,
-            token_text=self.token_text() if need_text else None,
-            echo_prompts=echo_prompts,
-            echo_only=req.echo_only,
-            logprobs=req.logprobs,
-            prompt_logprobs=req.prompt_logprobs,
-        )
+        ctx = self._context("completion", "cmpl", model, params, req, need_text, echo_prompts=echo_prompts,
+                            echo_only=req.echo_only, logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs)
         log_text = None
         if self.log_prompts:
             log_text = req.prompt if isinstance(req.prompt, str) else str(req.prompt)[:2000]
         return await self._serve(ctx, prompts, params, req, raw, arrival, "prompt", log_text, tenant)
+
+    def _context(self, kind: str, id_prefix: str, model: str, params: SamplingParams,
+                 req: ChatCompletionRequest | CompletionRequest, need_text: bool, **route: Any) -> ResponseContext:
+        """What the response is built from: the fields both routes share, then the route's own."""
+        return ResponseContext(kind=kind, response_id=f"{id_prefix}-{uuid.uuid4().hex}", created=int(time.time()),
+                               model=model, n=params.n, include_usage=req.include_usage,
+                               continuous_usage=req.continuous_usage, want_logprobs=params.logprobs is not None,
+                               token_text=self.token_text() if need_text else None, **route)  # fmt: skip
 
     async def _serve(
         self,
@@ -381,7 +355,7 @@ class OpenAIServing:
                     s.abort()
                 done("disconnected", [], "disconnected")
 
-            return _Stream(sse_stream(ctx, streams), never_streamed)
+            return ClosingStream(sse_stream(ctx, streams), never_streamed)
         finals: list[RequestOutput | None] = [None] * len(streams)
         status = "disconnected"
         try:
@@ -432,7 +406,7 @@ class OpenAIServing:
                             logprobs[p][c.index].extend(c.logprobs_delta)
 
         work = asyncio.ensure_future(drain())
-        gone = asyncio.ensure_future(_client_gone(raw))
+        gone = asyncio.ensure_future(client_gone(raw))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -525,8 +499,7 @@ class OpenAIServing:
     ) -> None:
         """One line per request; the prompt text only with --log-prompts."""
         done = [o for o in finals if o is not None]
-        n_in = sum(len(o.prompt_token_ids) for o in done)
-        n_out = sum(len(c.token_ids) for o in done for c in o.outputs)
+        n_in, n_out = _token_counts(done)
         cached = sum(o.metrics.num_cached_tokens for o in done)
         ttfts = [o.metrics.ttft_ms for o in done if o.metrics.first_token_time is not None]
         ttft = f"{min(ttfts):.1f}" if ttfts else "-"
@@ -550,23 +523,6 @@ class OpenAIServing:
 def sampling_defaults(engine: Any) -> SamplingDefaults:
     """The engine's resolved defaults (an engine without them: OpenAI's neutral values)."""
     return getattr(engine, "sampling_defaults", None) or SamplingDefaults()
-
-
-class _Stream(StreamingResponse):
-    """An SSE response that always ends its generator: closed explicitly (not left to the garbage
-    collector) when sending fails or times out, and `on_exit` called if it never started (its
-    `finally`, which aborts the engine requests and releases the tenant's lease, never ran)."""
-
-    def __init__(self, body: Any, on_exit: Any):
-        super().__init__(body, media_type="text/event-stream", headers=SSE_HEADERS)
-        self._on_exit = on_exit
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[union-attr]
-            self._on_exit()  # a no-op when the generator's own finally has ended the request
 
 
 def _token_counts(finals: list[RequestOutput | None]) -> tuple[int, int]:

@@ -29,14 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from inferlab.config import EngineConfig
-from inferlab.engine.detokenizer import IncrementalDetokenizer
-from inferlab.engine.engine_core import RequestBook
-from inferlab.engine.errors import ContextLengthError
+from inferlab.engine.engine_core import RequestBook, resolve_max_model_len
 from inferlab.engine.generation_config import SamplingDefaults
-from inferlab.engine.kv_events import KVEventLog
 from inferlab.engine.output_processor import OutputProcessor
 from inferlab.engine.outputs import ModelRunnerOutput
-from inferlab.engine.request import Request, RequestOptions, RequestOutput, RequestStatus, SamplingParams
+from inferlab.engine.request import Request, RequestOptions, RequestOutput, SamplingParams
 from inferlab.engine.scheduler import Scheduler
 from inferlab.engine.tracing import TraceRecorder
 from inferlab.plan.cost_model import LinearCost, fit_linear, load_profile, shape_of
@@ -182,10 +179,9 @@ class SimulatedEngine(RequestBook):
         cache = config.cache
         self.num_blocks = cache.num_blocks_override or max(
             1, (cache.kv_cache_memory or DEFAULT_KV_CACHE_BYTES) // (m.kv_bytes_per_token * cache.block_size))
-        pool_tokens = self.num_blocks * cache.block_size
-        want = config.scheduler.max_model_len or m.max_position_embeddings
-        self.scheduler_config = dataclasses.replace(
-            config.scheduler, max_model_len=min(want, m.max_position_embeddings, pool_tokens))
+        max_len = resolve_max_model_len(config.scheduler.max_model_len, m.max_position_embeddings,
+                                        self.num_blocks * cache.block_size)
+        self.scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_len)
         self.cache_config = cache
         self.eos_token_ids = tuple(sorted(set(m.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self.words = [t for t in self.tokenizer.encode(PLACEHOLDER, add_special_tokens=False)
@@ -200,15 +196,6 @@ class SimulatedEngine(RequestBook):
                     self.num_blocks, cache.block_size, self.max_model_len, "; ".join(cost.describe()))  # fmt: skip
 
     # ------------------------------------------------------------------ what the server reads
-    @property
-    def max_model_len(self) -> int:
-        assert self.scheduler_config.max_model_len is not None
-        return self.scheduler_config.max_model_len
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self.scheduler_config.max_num_seqs
-
     @property
     def vocab_size(self) -> int:
         return self.model_shape.vocab_size
@@ -226,15 +213,6 @@ class SimulatedEngine(RequestBook):
             "simulated": {"step_cost": self.cost.describe(), "simulated_seconds": self.simulated_s},
         }  # fmt: skip
 
-    def enable_kv_events(self, capacity: int = 8192) -> KVEventLog:
-        """The prefix cache's changes from now on, as a KV event log (block_pool.enable_events)."""
-        return self.scheduler.kv_cache_manager.block_pool.enable_events(capacity, self.cache_config.block_size)
-
-    def _make_detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stop=params.stop,
-                                      include_stop_str_in_output=params.include_stop_str_in_output,
-                                      skip_special_tokens=params.skip_special_tokens)  # fmt: skip
-
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     options: RequestOptions | None = None) -> None:  # fmt: skip
@@ -242,29 +220,7 @@ class SimulatedEngine(RequestBook):
             if getattr(params, name) is not None:
                 raise ApiError(400, f"{name}: a simulated replica (serve --simulate) has no logits to honour it",
                                "invalid_request_error", param=name)  # fmt: skip
-        options = (options or RequestOptions()).arrived(self.clock())
-        assert options.arrival_time is not None
-        if request_id in self.output_processor.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        params.check_vocab(self.vocab_size)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if len(ids) >= self.max_model_len or (params.max_tokens is not None
-                                              and len(ids) + params.max_tokens > self.max_model_len):  # fmt: skip
-            raise ContextLengthError(len(ids), params.max_tokens, self.max_model_len)
-        children = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        self.output_processor.add_request(request_id, children, text, ids, params, options.arrival_time)
-        self.traces.start(request_id, options.arrival_time)
-        for cid in children:
-            self.scheduler.add_request(Request(
-                request_id=cid, prompt_token_ids=ids,
-                sampling_params=params if params.n == 1 else dataclasses.replace(params, n=1),
-                eos_token_ids=() if params.ignore_eos else self.eos_token_ids, arrival_time=options.arrival_time,
-                cache_salt=options.cache_salt, use_prefix_cache=options.use_prefix_cache,
-                max_model_len=self.max_model_len))  # fmt: skip
+        super().add_request(request_id, prompt, params, options)
 
     # ------------------------------------------------------------------ the step
     def _token(self, request: Request) -> int:
@@ -291,12 +247,4 @@ class SimulatedEngine(RequestBook):
         tokens = [self._token(self.scheduler.requests[rid]) for rid in ids]
         now = self.clock()
         self.traces.on_step(so, started, now)
-        core = self.scheduler.update_from_output(so, ModelRunnerOutput(ids, tokens, step_time=dt))
-        step_outputs, stopped = self.output_processor.process(core, now)
-        if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        outputs.extend(step_outputs)
-        for out in outputs:
-            if out.finished:
-                self.traces.finish(out)
-        return outputs
+        return self._end_step(so, ModelRunnerOutput(ids, tokens, step_time=dt), outputs, now)

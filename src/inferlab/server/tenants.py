@@ -23,6 +23,7 @@ import hashlib
 import json
 import json.decoder
 import json.scanner
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -96,6 +97,26 @@ class TenantTable:
     def single_key(cls, key: str) -> TenantTable:
         tenant = Tenant(ANONYMOUS)
         return cls((tenant,), MappingProxyType({digest(key): tenant}))
+
+    @classmethod
+    def of(cls, api_key: str | None, tenants: TenantTable | None) -> TenantTable:
+        """A tenants file's table, one key's, or open access (a key and a file: ValueError)."""
+        if tenants is not None and api_key:
+            raise ValueError("give either an API key or a tenants file (--api-key or --api-keys), not both")
+        if tenants is not None:
+            return tenants
+        return cls.single_key(api_key) if api_key else cls.open_access()
+
+
+def keys_from_args(api_key: str | None, api_keys_file: str | None) -> tuple[str | None, TenantTable | None]:
+    """--api-key (else INFERLAB_API_KEY) or --api-keys FILE, for `serve` and `router` alike (a bad
+    file: one line naming the line, exit 2)."""
+    api_key = api_key or os.environ.get("INFERLAB_API_KEY") or None
+    if api_keys_file is None:
+        return api_key, None
+    if api_key is not None:
+        raise ValueError("--api-keys and --api-key (or INFERLAB_API_KEY) both give keys: use one")
+    return None, load_tenants(api_keys_file)
 
 
 def digest(key: str) -> bytes:
