@@ -18,10 +18,11 @@ acceptance rate per draft position (accepted / verifications that had a draft th
 the greedy token ids were identical to plain decoding's (vLLM: the texts), and the load average;
 then the same rows as a Markdown table.
 
-Workloads: copy-heavy (repeat a given text; edit a given text; edit a given function) and plain
-chat. With N streams each stream of a copy-heavy workload gets its own variant of the prompt (a
-numbered preamble); plain chat gets a new question per stream and turn (suffix decoding's
-global tree would answer a repeated one from its earlier reply).
+Workloads: copy-heavy (repeat a given text; edit a given text; rename a variable in a given
+function, asked as a code editor is) and plain chat. Each turn of a copy-heavy workload has its
+own text or function, and with N streams each stream its own numbered preamble; plain chat gets a
+new question per stream and turn (suffix decoding's global tree would answer a repeated prompt
+from its earlier reply, not from the prompt).
 
     .venv/bin/python benchmarks/spec_decode.py [--model PATH] [--k 4] [--methods ngram,suffix]
         [--draft-model PATH] [--streams 1,32] [--runs 3] [--max-tokens 96] [--always] [--vllm] [--json]
