@@ -54,6 +54,30 @@ def test_rope_write_kv_matches_torch(ops, t, heads, kv_heads, d):
     assert bool((kc[:, untouched] == 7.0).all()) and bool((vc[:, untouched] == 7.0).all())
 
 
+@pytest.mark.parametrize("d", [40, 64])
+def test_bf16_stores_round_as_torch_does(ops, d):
+    """Every float32 -> bf16 store (the vector paths of both kernel variants and their scalar tails)
+    rounds to nearest even exactly as torch's conversion: ties, overflow to inf, inf and NaN.
+    (Denormal inputs, below 1.2e-38, are left out: vcvtneps2bf16 flushes them to zero.)"""
+    g = torch.Generator().manual_seed(d)
+    qkv = torch.randn(3, 3 * d, generator=g) * 100
+    v = qkv[:, 2 * d:]
+    v[0, :8] = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.4e38, -3.4e38, 0.0, -0.0, 1e-30])
+    tie = torch.tensor([0x3F808000, 0x3F818000, 0x3F80C000, 0x3F80FFFF], dtype=torch.int32).view(torch.float32)
+    v[1, :4], v[1, -4:] = tie, tie  # halfway cases, in a vector lane and in the tail
+    cos, sin = rope_cache(d, 10000.0, None, 8, torch.float32)
+    kc, vc = torch.zeros(1, 4, d, dtype=torch.bfloat16), torch.zeros(1, 4, d, dtype=torch.bfloat16)
+    ops.rope_write_kv(qkv, torch.arange(3), cos, sin, kc, vc, torch.arange(3), 1, 1, d)
+    want = v.to(torch.bfloat16)
+    got = vc[0, :3]
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~want.isnan()], want[~want.isnan()])
+
+    x, r, w = torch.randn(5, 100, generator=g), torch.randn(5, 100, generator=g), torch.randn(100, generator=g)
+    out32 = ops.add_rms_norm_(x.clone(), r, w, 1e-6, False)
+    assert torch.equal(ops.add_rms_norm_(x.clone(), r, w, 1e-6, True), out32.to(torch.bfloat16))
+
+
 def test_rope_write_kv_rejects_a_slot_outside_the_cache(ops):
     cos, sin = rope_cache(8, 10000.0, None, 16, torch.float32)
     kc = vc = torch.zeros(1, 4, 8)

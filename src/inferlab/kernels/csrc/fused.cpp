@@ -53,13 +53,8 @@ at::Tensor add_rms_norm_(at::Tensor x, const at::Tensor& residual, const at::Ten
     if (bf16_out) row.resize(n);
     for (int64_t i = begin; i < end; ++i) {
       float* xr = xp + i * n;
-      if (bf16_residual) {
-        const at::BFloat16* rr = residual.data_ptr<at::BFloat16>() + i * n;
-        for (int64_t j = 0; j < n; ++j) xr[j] += static_cast<float>(rr[j]);
-      } else {
-        const float* rr = residual.data_ptr<float>() + i * n;
-        for (int64_t j = 0; j < n; ++j) xr[j] += rr[j];
-      }
+      if (bf16_residual) add_row(xr, residual.data_ptr<at::BFloat16>() + i * n, n);
+      else add_row(xr, residual.data_ptr<float>() + i * n, n);
       if (bf16_out) {
         rms_norm_row(xr, wp, n, feps, row.data());
         store_row(row.data(), out.data_ptr<at::BFloat16>() + i * n, n);
@@ -161,7 +156,7 @@ at::Tensor silu_mul_bf16(const at::Tensor& x) {
     row.resize(3 * n);
     for (int64_t i = begin; i < end; ++i) {
       const at::BFloat16* xr = xp + i * 2 * n;
-      for (int64_t j = 0; j < 2 * n; ++j) row[j] = static_cast<float>(xr[j]);
+      widen_row(xr, row.data(), 2 * n);
       silu_mul_row(row.data(), row.data() + n, n, row.data() + 2 * n);
       store_row(row.data() + 2 * n, op + i * n, n);
     }
