@@ -78,3 +78,14 @@ def test_off_means_no_trim_in_the_engine(tiny_path):
     llm.engine.heap_trimmer._trim = spy = Spy()
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))
     assert spy.calls == 0
+
+
+def test_a_step_never_waits_for_the_trim(tiny_path):
+    """`step` returns its outputs untrimmed; its driver calls `trim_heap` after passing them on."""
+    llm = LLM(str(tiny_path), dtype="float32", num_kv_blocks=64, max_model_len=128, heap_trim_interval_s=3600.0)
+    llm.engine.heap_trimmer._trim = spy = Spy()
+    llm.engine.add_request("r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert spy.calls == 0
+    assert llm.engine.trim_heap() and spy.calls == 1

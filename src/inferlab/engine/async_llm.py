@@ -448,6 +448,7 @@ class AsyncLLM:
     def _loop(self) -> None:
         engine = self.engine
         assert engine is not None
+        trim_heap = getattr(engine, "trim_heap", None)  # LLMEngine's; test doubles have none
         while True:
             with self._cond:
                 while not self._inbox and not self._stop and not engine.has_unfinished_requests():
@@ -466,13 +467,16 @@ class AsyncLLM:
                 self._handle_inbox(items, deliveries)
             if self._deadlines:
                 self._expire(deliveries)
-            if engine.has_unfinished_requests():
+            stepped = engine.has_unfinished_requests()
+            if stepped:
                 self._step(deliveries)
             if len(self._deadlines) > 2 * len(self._requests) + 16:
                 self._prune_deadlines()
             self._refresh_stats()  # first: readers woken by the outputs see this step's counts
             if deliveries:  # before the next step, let the event loop take them (HANDOFF_WAIT_S)
                 self._flush(deliveries, wait=engine.has_unfinished_requests())
+            if stepped and trim_heap is not None:  # after the outputs are on their way (LLMEngine.trim_heap)
+                trim_heap()
 
     def _handle_inbox(self, items: list[_Tracked | _Abort], deliveries: dict) -> None:
         engine = self.engine

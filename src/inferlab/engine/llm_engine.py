@@ -142,6 +142,7 @@ class LLMEngine(RequestBook):
         self.add_request("inferlab-warm-up", prompt, params)
         while self.has_unfinished_requests():
             self.step()
+        self.trim_heap()
         self.scheduler = self._new_scheduler()
         self.traces.clear()
 
@@ -220,9 +221,15 @@ class LLMEngine(RequestBook):
             self.output_processor.add_prompt_logprobs(ro.prompt_logprobs)
         if ro.prompt_logprob_rows:
             self.output_processor.add_prompt_logprob_rows(ro.prompt_logprob_rows)
-        outputs = self._end_step(so, ro, outputs)
-        self.heap_trimmer.after_step(idle=not self.scheduler.has_unfinished_requests())
-        return outputs
+        return self._end_step(so, ro, outputs)
+
+    def trim_heap(self) -> bool:
+        """Hand the C heap's free pages back (engine/heap.py): once the engine is idle, and every
+        interval while it is busy; True when it trimmed. Not part of `step`: its driver calls it
+        after handing the step's outputs on, so that no token waits for the trim (13-18 ms on
+        the Zen 5 kind: the whole of a finished request's last token, or its first when it
+        asked for one)."""
+        return self.heap_trimmer.after_step(idle=not self.scheduler.has_unfinished_requests())
 
 
 # LoadedModel.format -> where its own sampling defaults were read.

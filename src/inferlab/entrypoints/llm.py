@@ -110,6 +110,7 @@ class LLM:
             for out in self.engine.step():
                 if out.finished and out.request_id in wanted:
                     done[out.request_id] = out
+            self.engine.trim_heap()
         return [done[r] for r in request_ids]
 
 
