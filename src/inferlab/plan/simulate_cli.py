@@ -49,6 +49,7 @@ from inferlab.plan.cost_model import (
     load_profile,
     save_cost_model,
 )
+from inferlab.plan.roofline import kv_memory_available
 from inferlab.plan.sim_report import simulation_report
 from inferlab.plan.simulator import SimWorkload, simulate
 from inferlab.router.policies import POLICIES
@@ -152,8 +153,8 @@ def run(args: argparse.Namespace) -> int:
         inputs = plan_inputs(args, model, hardware, concurrency=args.concurrency, request_rate=math.inf)
         roofline = inputs.roofline()
         if num_blocks is None:
-            free = max(hardware.memory_bytes * (1 - inputs.reserve_fraction) - inputs.reserve_bytes
-                       - roofline.weight_bytes, 0.0)
+            free = kv_memory_available(hardware.memory_bytes, roofline.weight_bytes, inputs.reserve_fraction,
+                                       inputs.reserve_bytes)
             num_blocks = int(free // (args.block_size * roofline.kv_bytes_per_token))
     if num_blocks is None:
         raise ValueError("without --hardware, give --num-blocks (the KV cache size in blocks)")
