@@ -77,23 +77,27 @@ def parse_slo(items: Iterable[str] | None) -> SLO:
     return SLO(ttft_ms=values.get("ttft"), tpot_ms=values.get("tpot"), e2el_ms=values.get("e2el"))
 
 
+def parse_numbers(text: str, what: str, *, integer: bool = False, most: float = math.inf) -> tuple[float, ...]:
+    """`"1,2,4"` → (1.0, 2.0, 4.0): the comma list a flag (`what`) takes, each in (0, most] (and
+    whole when `integer`)."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            v = float(part)
+        except ValueError:
+            raise ValueError(f"{what} takes a comma list of numbers, got {part!r}") from None
+        if not (math.isfinite(v) and 0 < v <= most) or (integer and not v.is_integer()):
+            raise ValueError(f"{what}: each must be a {'whole number' if integer else 'number'} > 0"
+                             + (f" and <= {most:g}" if most < math.inf else "") + f", got {part!r}")
+        out.append(v)
+    if not out:
+        raise ValueError(f"{what} is empty")
+    return tuple(out)
+
+
 def parse_percentiles(text: str) -> tuple[float, ...]:
     """`"50,90,99"` → (50.0, 90.0, 99.0); each in (0, 100]."""
-    out = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            p = float(part)
-        except ValueError:
-            raise ValueError(f"--metric-percentiles takes numbers like 50,90,99; got {part!r}") from None
-        if not 0 < p <= 100:
-            raise ValueError(f"percentiles must be in (0, 100], got {part}")
-        out.append(p)
-    if not out:
-        raise ValueError("--metric-percentiles is empty")
-    return tuple(out)
+    return parse_numbers(text, "--metric-percentiles", most=100)
 
 
 def parse_metric_names(text: str) -> tuple[str, ...]:
