@@ -30,7 +30,7 @@ from inferlab.engine.errors import EngineDeadError
 from inferlab.engine.generation_config import SamplingDefaults
 from inferlab.engine.request import RequestOptions, RequestOutput, SamplingParams
 from inferlab.server.admission import effective_timeout, to_api_error
-from inferlab.server.httputil import ClosingStream, client_gone
+from inferlab.server.httputil import ClientGone, ClosingStream, unless_client_gone
 from inferlab.server.metrics import TenantMetrics
 from inferlab.server.protocol import (
     ApiError,
@@ -356,7 +356,7 @@ class OpenAIServing:
             body = response_dict(ctx, finals, logprobs)
             status = "ok"
             return JSONResponse(body)
-        except _ClientGone:
+        except ClientGone:
             return Response(status_code=499)
         except Exception as e:
             err = to_api_error(e, prompt_param)
@@ -398,17 +398,7 @@ class OpenAIServing:
                         if c.logprobs_delta:
                             logprobs[p][c.index].extend(c.logprobs_delta)
 
-        work = asyncio.ensure_future(drain())
-        gone = asyncio.ensure_future(client_gone(raw))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not work.done():
-                work.cancel()
-            gone.cancel()
-        if not work.done() or work.cancelled():
-            raise _ClientGone()
-        work.result()
+        await unless_client_gone(raw, drain())
         return finals, logprobs  # type: ignore[return-value]
 
     def _apply_tenant_caps(
@@ -502,6 +492,3 @@ def _stream_outcome(status: str) -> str:
     """The outcome label of a stream from its status word (see `sse_stream`)."""
     return status if status in ("ok", "disconnected") else "error"
 
-
-class _ClientGone(Exception):
-    """The client disconnected before the (non-streamed) answer was ready."""
