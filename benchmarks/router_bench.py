@@ -223,10 +223,9 @@ def simulated_rows(cost_file: Path, shape: tuple[int, int, int, int], policies: 
 
 
 def plot(sections: list[tuple[str, list[dict]]], path: Path) -> None:
-    import matplotlib
+    from inferlab.bench.plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(len(sections), 2, figsize=(12, 4 * len(sections)), squeeze=False)
     for (title, rows), (a, b) in zip(sections, axes):
