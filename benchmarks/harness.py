@@ -69,15 +69,6 @@ def wait_ready(proc: subprocess.Popen, base: str, timeout_s: float, log_path: Pa
         time.sleep(0.05)
 
 
-def wait_router_sees(base: str, backends: Sequence[str], timeout_s: float = 60.0) -> None:
-    """Until the router at `base` reports every backend healthy."""
-    deadline = time.monotonic() + timeout_s
-    while httpx.get(base + "/health", timeout=5).json().get("replicas", {}) != {b: "healthy" for b in backends}:
-        if time.monotonic() > deadline:
-            raise RuntimeError("the router did not see every replica ready")
-        time.sleep(0.2)
-
-
 def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
     """SIGTERM the server's whole process group (vLLM runs its engine in a child), then SIGKILL
     whatever is left; returns only when no process of the group remains."""
@@ -117,18 +108,51 @@ class RunningServer:
 
 
 @contextlib.contextmanager
+def served_many(argvs: Sequence[Sequence[str]], base_urls: Sequence[str], log_paths: Sequence[Path], *,
+                env: Mapping[str, str] | None = None, timeout_s: float = 600.0,
+                grace_s: float = 20.0) -> Iterator[list[RunningServer]]:
+    """Start every `argv` (a server listening at its `base_url`) at once, each in its own process
+    group logging to its `log_path` (their start-ups overlap); yield once all serve; always stop
+    every group."""
+    procs: list[subprocess.Popen] = []
+    try:
+        for argv, log_path in zip(argvs, log_paths):
+            with open(log_path, "wb") as log:
+                procs.append(subprocess.Popen(list(argv), env={**os.environ, **(env or {})}, stdout=log,
+                                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                              start_new_session=True))  # fmt: skip
+        yield [RunningServer(base, proc, wait_ready(proc, base, timeout_s, log_path), log_path)
+               for proc, base, log_path in zip(procs, base_urls, log_paths)]  # fmt: skip
+    finally:
+        for proc in procs:
+            stop_group(proc, grace_s)
+
+
+@contextlib.contextmanager
 def served(argv: Sequence[str], base_url: str, log_path: Path, *, env: Mapping[str, str] | None = None,
            timeout_s: float = 600.0) -> Iterator[RunningServer]:
-    """Start `argv` (a server listening at `base_url`) in its own process group, logging to
-    `log_path`; yield once it serves; always stop the whole group."""
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(list(argv), env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
-        try:
-            ready = wait_ready(proc, base_url, timeout_s, log_path)
-            yield RunningServer(base_url, proc, ready, log_path)
-        finally:
-            stop_group(proc)
+    """One server: `served_many` of one."""
+    with served_many([argv], [base_url], [log_path], env=env, timeout_s=timeout_s) as (server,):
+        yield server
+
+
+@contextlib.contextmanager
+def routed(launcher: Sequence[str], backends: Sequence[str], log_path: Path, *, env: Mapping[str, str] | None = None,
+           options: Sequence[str] = ()) -> Iterator[str]:
+    """`inferlab router` (`launcher` runs inferlab) over `backends` on a free port, with `options`;
+    yields its base URL once it reports every backend healthy; always stopped."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = [*launcher, "router", "--port", str(port), "--log-level", "warning", *options]
+    for b in backends:
+        cmd += ["--backend", b]
+    with served(cmd, base, log_path, env=env, timeout_s=120):
+        deadline = time.monotonic() + 60
+        while httpx.get(base + "/health", timeout=5).json().get("replicas", {}) != {b: "healthy" for b in backends}:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the router did not see every replica ready")
+            time.sleep(0.2)
+        yield base
 
 
 class CpuWatch:

@@ -58,16 +58,12 @@ def shown(cmd: list[str]) -> str:
     return shlex.join(["inferlab", *cmd[3:]])
 
 
-def load_avg() -> float:
-    return os.getloadavg()[0]
-
-
 def wait_for_quiet(threshold: float, max_wait_s: float) -> float:
     """Wait (up to max_wait_s) for the 1-minute load average to fall below threshold; returns it."""
     deadline = time.monotonic() + max_wait_s
-    while load_avg() >= threshold and time.monotonic() < deadline:
+    while os.getloadavg()[0] >= threshold and time.monotonic() < deadline:
         time.sleep(5)
-    return load_avg()
+    return os.getloadavg()[0]
 
 
 class Log:

@@ -133,10 +133,9 @@ def main() -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"args": vars(a), "requests": done, "errors": errors, "timeline": timeline}, indent=1))
-    import matplotlib
+    from inferlab.bench.plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 3.5))
     ts = [s["t"] for s in timeline]

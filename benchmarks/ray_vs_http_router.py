@@ -28,7 +28,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from harness import free_port, served, wait_router_sees  # noqa: E402
+from harness import free_port, routed, served  # noqa: E402
 
 
 def workload(a: argparse.Namespace) -> list[list[int]]:
@@ -71,13 +71,7 @@ def via_http(a: argparse.Namespace, model: str, items: list[list[int]]) -> dict:
                                         "--num-threads", "1", "--num-kv-blocks", str(a.kv_blocks), "--log-level", "warning"],
                                        base, Path(tmp) / f"r{i}.log", env=env))  # fmt: skip
             bases.append(base)
-        port = free_port()
-        base = f"http://127.0.0.1:{port}"
-        cmd = [*launcher, "router", "--port", str(port), "--policy", "cache-aware", "--log-level", "warning"]
-        for b in bases:
-            cmd += ["--backend", b]
-        with served(cmd, base, Path(tmp) / "router.log", env=env, timeout_s=120):
-            wait_router_sees(base, bases)
+        with routed(launcher, bases, Path(tmp) / "router.log", env=env, options=["--policy", "cache-aware"]) as base:
             result = drive(base, items, a.concurrency)
     result["spread"] = dict(zip(("replica-a", "replica-b"), sorted(result["spread"].values(), reverse=True)))
     return result

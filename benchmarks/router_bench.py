@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import random
@@ -46,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from harness import free_port, served, stop_group, wait_ready, wait_router_sees
+from harness import free_port, routed, served_many
 
 from inferlab.models.registry import DEFAULT_MODEL
 
@@ -224,10 +223,9 @@ def simulated_rows(cost_file: Path, shape: tuple[int, int, int, int], policies: 
 
 
 def plot(sections: list[tuple[str, list[dict]]], path: Path) -> None:
-    import matplotlib
+    from inferlab.bench.plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(len(sections), 2, figsize=(12, 4 * len(sections)), squeeze=False)
     for (title, rows), (a, b) in zip(sections, axes):
@@ -250,38 +248,16 @@ def plot(sections: list[tuple[str, list[dict]]], path: Path) -> None:
     plt.close(fig)
 
 
-@contextlib.contextmanager
-def served_many(cmds: list[list[str]], bases: list[str], logs: list[Path], env: dict, timeout_s: float = 180.0):
-    """Start every server at once (their start-ups overlap), then wait for each."""
-    procs = []
-    try:
-        for cmd, log in zip(cmds, logs):
-            with open(log, "wb") as fh:
-                procs.append(subprocess.Popen(cmd, env={**os.environ, **env}, stdout=fh, stderr=subprocess.STDOUT,
-                                              stdin=subprocess.DEVNULL, start_new_session=True))  # fmt: skip
-        for proc, base, log in zip(procs, bases, logs):
-            wait_ready(proc, base, timeout_s, log)
-        yield bases
-    finally:
-        for proc in procs:
-            stop_group(proc, grace_s=5)
-
-
 def compare(launcher: list[str], env: dict, bases: list[str], items: list[tuple[str, str]], args: argparse.Namespace,
             policies: list[str], tmp: Path, tag: str, concurrency: int) -> list[dict]:  # fmt: skip
     """Every policy behind its own router over `bases`, alternated over the repeats; medians."""
     runs: dict[str, list[dict]] = {pol: [] for pol in policies}
     run_args = argparse.Namespace(**{**vars(args), "concurrency": concurrency})
     for rep, policy in ((r, pol) for r in range(args.repeats) for pol in policies):
-        port = free_port()
-        cmd = [*launcher, "router", "--port", str(port), "--policy", policy, "--log-level", "warning"]
-        for b in bases:
-            cmd += ["--backend", b]
+        options = ["--policy", policy]
         if args.tokenizer != "replica":  # tokenized in the router: no /tokenize round trip per request
-            cmd += ["--tokenizer", args.tokenizer or args.model or DEFAULT_MODEL.name]
-        base = f"http://127.0.0.1:{port}"
-        with served(cmd, base, tmp / f"router-{tag}-{policy}.log", env=env, timeout_s=120):
-            wait_router_sees(base, bases)
+            options += ["--tokenizer", args.tokenizer or args.model or DEFAULT_MODEL.name]
+        with routed(launcher, bases, tmp / f"router-{tag}-{policy}.log", env=env, options=options) as base:
             time.sleep(1.0)  # a probe round or two: the KV event feeds synced
             results, wall = asyncio.run(drive(base, items, run_args, salt=f"{tag}-{policy}-{uuid.uuid4().hex}"))
             # only cache-aware looks prompts up in the index (the others predict nothing)
@@ -353,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         for port in ports:
             cmd = [*launcher, "serve", "--port", str(port), "--num-threads", str(args.num_threads), "--log-level", "warning"]
             cmds.append(cmd + (["--model", args.model] if args.model else []))
-        with served_many(cmds, bases, [tmp / f"replica{i}.log" for i in range(args.replicas)], env, timeout_s=600):
+        with served_many(cmds, bases, [tmp / f"replica{i}.log" for i in range(args.replicas)], env=env, grace_s=5):
             for base in bases:  # warm: the first request of a process pays one-off costs
                 httpx.post(base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                                 "max_tokens": 2}, timeout=300).raise_for_status()  # fmt: skip
@@ -372,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
             bases = [f"http://127.0.0.1:{port}" for port in ports]
             cmds = [[*launcher, "serve", "--simulate", str(cost), "--port", str(port), "--num-kv-blocks",
                      str(info["num_blocks"]), "--log-level", "warning"] for port in ports]  # fmt: skip
-            with served_many(cmds, bases, [tmp / f"sim{i}.log" for i in range(len(ports))], env):
+            with served_many(cmds, bases, [tmp / f"sim{i}.log" for i in range(len(ports))], env=env, timeout_s=180,
+                             grace_s=5):
                 rows = compare(launcher, env, bases, workload(sim_args), sim_args, policies, tmp, "sim",
                                args.sim_concurrency)  # fmt: skip
                 hot_args = argparse.Namespace(**{**vars(sim_args), "systems": 1,

@@ -26,6 +26,7 @@ import json
 import os
 import random
 import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -232,13 +233,8 @@ def rss_summary(samples: list[Sample], duration: float) -> dict:
     during = [s for s in samples if s.t <= duration + 1]
     start, mid, end = during[0], during[len(during) // 2], during[-1]
     second_half = [s for s in during if s.t >= duration / 2]
-    slope = 0.0
-    if len(second_half) >= 2:
-        n = len(second_half)
-        mx = sum(s.t for s in second_half) / n
-        my = sum(s.rss_mb for s in second_half) / n
-        den = sum((s.t - mx) ** 2 for s in second_half)
-        slope = sum((s.t - mx) * (s.rss_mb - my) for s in second_half) / den if den else 0.0
+    ts = [s.t for s in second_half]  # the least-squares slope of RSS over the second half
+    slope = statistics.linear_regression(ts, [s.rss_mb for s in second_half]).slope if len(set(ts)) > 1 else 0.0
     return {"start_mb": start.rss_mb, "middle_mb": mid.rss_mb, "end_mb": end.rss_mb,
             "after_drain_mb": samples[-1].rss_mb, "peak_mb": max(s.rss_mb for s in samples),
             "second_half_slope_mb_per_min": slope * 60}

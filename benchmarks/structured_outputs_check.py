@@ -12,6 +12,7 @@ fine on a busy machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -119,16 +120,13 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=400,
                     help="room for the longest valid answer (at temperature 1 a number may run to many digits)")
     args = ap.parse_args()
-    if args.base_url:
-        client = openai.OpenAI(base_url=args.base_url, api_key="unused", max_retries=0, timeout=600)
-        model = client.models.list().data[0].id
-        return 0 if check(client, model, args.n, args.max_tokens, args.only) == 2 * args.n else 1
     argv = [sys.executable, "-m", "inferlab.cli", "serve", "--port", str(args.port)]
     if args.model:
         argv += ["--model", args.model]
-    log = Path(tempfile.mkdtemp()) / "server.log"
-    with served(argv, f"http://127.0.0.1:{args.port}", log):
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="unused", max_retries=0, timeout=600)
+    with (contextlib.nullcontext() if args.base_url  # a running server, or one started here
+          else served(argv, f"http://127.0.0.1:{args.port}", Path(tempfile.mkdtemp()) / "server.log")):
+        client = openai.OpenAI(base_url=args.base_url or f"http://127.0.0.1:{args.port}/v1", api_key="unused",
+                               max_retries=0, timeout=600)  # fmt: skip
         model = client.models.list().data[0].id
         return 0 if check(client, model, args.n, args.max_tokens, args.only) == 2 * args.n else 1
 

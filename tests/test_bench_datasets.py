@@ -9,10 +9,10 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from inferlab.bench.datasets import WORDS, DatasetSpec, length_range, load_dataset
-from inferlab.bench.tokens import HFTokenizer, load_tokenizer
+from inferlab.bench.tokens import LocalTokenizer, load_tokenizer
 
 
-def word_level_tokenizer(tmp_path) -> HFTokenizer:
+def word_level_tokenizer(tmp_path) -> LocalTokenizer:
     """One token per word, BOS added in front (like Llama's tokenizer.json)."""
     vocab = {"[UNK]": 0, "<s>": 1} | {w: i + 2 for i, w in enumerate(dict.fromkeys(WORDS))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
@@ -23,7 +23,7 @@ def word_level_tokenizer(tmp_path) -> HFTokenizer:
     return load_tokenizer(path)
 
 
-def byte_level_bpe_tokenizer(tmp_path) -> HFTokenizer:
+def byte_level_bpe_tokenizer(tmp_path) -> LocalTokenizer:
     """A byte-level BPE (GPT-2 / Qwen / SmolLM style: the space belongs to the next token), no BOS."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

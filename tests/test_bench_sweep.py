@@ -7,10 +7,10 @@ import asyncio
 import pytest
 
 from inferlab.bench.arrivals import LoadSpec
-from inferlab.bench.metrics import RunSummary
+from inferlab.bench.metrics import RunSummary, parse_numbers
 from inferlab.bench.runner import RunResult
 from inferlab.bench.server_metrics import ServerMetricsSample, parse_metrics, summarize_samples
-from inferlab.bench.sweep import SaturationRule, SweepPlan, parse_levels, parse_sweep, run_sweep
+from inferlab.bench.sweep import SaturationRule, SweepPlan, parse_sweep, run_sweep
 
 
 def summary(out_tps: float, errored: int = 0, attainment: float | None = None, n: int = 100) -> RunSummary:
@@ -75,7 +75,7 @@ def test_automatic_sweep_has_a_step_limit():
 def test_parse_sweep_and_levels():
     assert parse_sweep("rate") == SweepPlan("rate")
     assert parse_sweep("rate:0.5,1,2").levels == (0.5, 1.0, 2.0)
-    assert parse_levels("1,32", "--concurrency-levels", integer=True) == (1.0, 32.0)
+    assert parse_numbers("1,32", "--concurrency-levels", integer=True) == (1.0, 32.0)
     for bad in ("speed:1", "concurrency:1.5", "rate:0", "rate:x"):
         with pytest.raises(ValueError, match="--sweep"):
             parse_sweep(bad)

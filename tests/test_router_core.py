@@ -207,18 +207,18 @@ def test_circuit_breaker_ejects_half_opens_and_recovers():
     assert not h.routable(0)  # not ready before a probe said so
     h.probe_ok()
     assert h.routable(0)
-    assert not h.request_failed(0, "500")
-    assert h.request_failed(0, "500")  # second in a row: ejected
+    assert not h.request_failed(0)
+    assert h.request_failed(0)  # second in a row: ejected
     assert not h.routable(0.5)
     assert h.routable(1.0) and h.circuit is Circuit.HALF_OPEN
     h.on_dispatch()
     assert not h.routable(1.0)  # one trial at a time
-    assert h.request_failed(1.1, "500")  # the trial failed: open again, 2 s now
+    assert h.request_failed(1.1)  # the trial failed: open again, 2 s now
     assert not h.routable(2.5) and h.routable(3.2)
     h.on_dispatch()
     h.request_ok()
     assert h.circuit is Circuit.CLOSED and h.routable(3.3)
-    assert h.request_failed(4, "connection refused", fatal=True)  # fatal: at once
+    assert h.request_failed(4, fatal=True)  # fatal: at once
 
 
 def test_fleet_skips_unready_and_excluded_and_always_releases():
@@ -233,11 +233,11 @@ def test_fleet_skips_unready_and_excluded_and_always_releases():
     assert fleet.replicas["b"].state.queued_prefill_tokens(clock.t) == 100
     fleet.first_token(t)
     assert fleet.replicas["b"].state.decoding(clock.t) == 1
-    assert fleet.finish(t, "fatal", "reset")  # ejected
+    assert fleet.finish(t, "fatal")  # ejected
     assert not fleet.finish(t, "ok")  # released once only
     assert fleet.replicas["b"].state.in_flight == 0
     assert fleet.states() == {"a": "healthy", "b": "ejected"}
-    fleet.probe_failed("a", "refused")
+    fleet.probe_failed("a")
     assert fleet.route(RouteRequest()) is None
 
 
@@ -276,9 +276,9 @@ def test_a_restarted_replica_is_readmitted_with_an_empty_index():
     t = fleet.dispatch(fleet.route(req), req)
     home = t.replica
     assert fleet.index.size(home) == 10
-    assert fleet.finish(t, "fatal", "connection reset")  # SIGKILLed mid-stream: ejected at once
+    assert fleet.finish(t, "fatal")  # SIGKILLed mid-stream: ejected at once
     assert fleet.index.size(home) == 0
-    fleet.probe_failed(home, "refused")
+    fleet.probe_failed(home)
     clock.t += 5
     assert home not in [r.name for r in fleet.routable()]  # down: no traffic
     fleet.probe_ok(home)  # restarted

@@ -26,10 +26,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-class UserError(Exception):
-    """A problem with the user's input: printed as one line, exit status 2."""
-
-
 def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, object | None]:
     parser = argparse.ArgumentParser(prog="inferlab", description="LLM inference engine, server and measuring tools")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -54,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(module.run(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except (UserError, ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
+    except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
         print(f"inferlab {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -25,6 +25,7 @@ from inferlab.bench.metrics import (
     SLO,
     RunSummary,
     parse_metric_names,
+    parse_numbers,
     parse_percentiles,
     parse_slo,
     summarize,
@@ -32,7 +33,7 @@ from inferlab.bench.metrics import (
 from inferlab.bench.progress import LiveProgress
 from inferlab.bench.report import ReportContext, RunReport, build_report, print_terminal, render_markdown, write_json
 from inferlab.bench.runner import RunResult, fill_output_tokens, run_load, warm_up
-from inferlab.bench.sweep import SaturationRule, SweepPlan, parse_levels, parse_sweep, run_sweep
+from inferlab.bench.sweep import SaturationRule, SweepPlan, parse_sweep, run_sweep
 from inferlab.bench.tokens import TextTokenizer, TokenizerSource
 
 WARMUP_SEED_OFFSET = 1_000_003  # warm-up prompts differ from measured ones (no prefix-cache help)
@@ -96,7 +97,7 @@ def _plan(args: argparse.Namespace) -> tuple[str, SweepPlan | None]:
     if args.concurrency_levels:
         if args.max_concurrency is not None:
             raise ValueError("--concurrency-levels sets the concurrency; drop --max-concurrency")
-        levels = parse_levels(args.concurrency_levels, "--concurrency-levels", integer=True)
+        levels = parse_numbers(args.concurrency_levels, "--concurrency-levels", integer=True)
         return "concurrency-levels", SweepPlan("concurrency", levels=levels, stop_at_saturation=False)
     if args.sweep:
         plan = parse_sweep(args.sweep)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -77,23 +77,27 @@ def parse_slo(items: Iterable[str] | None) -> SLO:
     return SLO(ttft_ms=values.get("ttft"), tpot_ms=values.get("tpot"), e2el_ms=values.get("e2el"))
 
 
+def parse_numbers(text: str, what: str, *, integer: bool = False, most: float = math.inf) -> tuple[float, ...]:
+    """`"1,2,4"` → (1.0, 2.0, 4.0): the comma list a flag (`what`) takes, each in (0, most] (and
+    whole when `integer`)."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            v = float(part)
+        except ValueError:
+            raise ValueError(f"{what} takes a comma list of numbers, got {part!r}") from None
+        if not (math.isfinite(v) and 0 < v <= most) or (integer and not v.is_integer()):
+            raise ValueError(f"{what}: each must be a {'whole number' if integer else 'number'} > 0"
+                             + (f" and <= {most:g}" if most < math.inf else "") + f", got {part!r}")
+        out.append(v)
+    if not out:
+        raise ValueError(f"{what} is empty")
+    return tuple(out)
+
+
 def parse_percentiles(text: str) -> tuple[float, ...]:
     """`"50,90,99"` → (50.0, 90.0, 99.0); each in (0, 100]."""
-    out = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            p = float(part)
-        except ValueError:
-            raise ValueError(f"--metric-percentiles takes numbers like 50,90,99; got {part!r}") from None
-        if not 0 < p <= 100:
-            raise ValueError(f"percentiles must be in (0, 100], got {part}")
-        out.append(p)
-    if not out:
-        raise ValueError("--metric-percentiles is empty")
-    return tuple(out)
+    return parse_numbers(text, "--metric-percentiles", most=100)
 
 
 def parse_metric_names(text: str) -> tuple[str, ...]:
@@ -161,12 +165,12 @@ class RunSummary:
     output_throughput: float  # output tokens / s
     total_token_throughput: float  # (input + output) tokens / s
     latency: dict[str, Distribution | None]  # "ttft" | "tpot" | "itl" | "e2el" → distribution
+    max_concurrency: int | None = None
+    per_client_output_throughput: float | None = None  # output_throughput / max_concurrency
     slo: SLO = field(default_factory=SLO)
     good_requests: int | None = None  # completed requests meeting every SLO (None without an SLO)
     request_goodput: float | None = None  # good requests / s
     slo_attainment: float | None = None  # good requests / all requests sent
-    max_concurrency: int | None = None
-    per_client_output_throughput: float | None = None  # output_throughput / max_concurrency
     usd_per_hour: float | None = None
     cost_per_million_output_usd: float | None = None
     cost_per_million_input_usd: float | None = None
@@ -183,33 +187,11 @@ class RunSummary:
         return self.failed + self.incomplete + self.timeout
 
     def to_dict(self) -> dict[str, Any]:
-        """Flat, vLLM-style keys (mean_ttft_ms, p99_ttft_ms, ...) for JSON and comparison."""
-        d: dict[str, Any] = {
-            "num_requests": self.num_requests,
-            "completed": self.completed,
-            "failed": self.failed,
-            "incomplete": self.incomplete,
-            "timeout": self.timeout,
-            "duration_s": self.duration_s,
-            "total_input_tokens": self.total_input_tokens,
-            "total_output_tokens": self.total_output_tokens,
-            "request_throughput": self.request_throughput,
-            "output_throughput": self.output_throughput,
-            "total_token_throughput": self.total_token_throughput,
-            "max_concurrency": self.max_concurrency,
-            "per_client_output_throughput": self.per_client_output_throughput,
-            "slo": {"ttft_ms": self.slo.ttft_ms, "tpot_ms": self.slo.tpot_ms, "e2el_ms": self.slo.e2el_ms},
-            "good_requests": self.good_requests,
-            "request_goodput": self.request_goodput,
-            "slo_attainment": self.slo_attainment,
-            "usd_per_hour": self.usd_per_hour,
-            "cost_per_million_output_usd": self.cost_per_million_output_usd,
-            "cost_per_million_input_usd": self.cost_per_million_input_usd,
-            "output_token_sources": dict(self.output_token_sources),
-            "cached_prompt_tokens": self.cached_prompt_tokens,
-            "cached_requests": self.cached_requests,
-            "errors": dict(self.errors),
-        }
+        """Flat, vLLM-style keys (mean_ttft_ms, p99_ttft_ms, ...) for JSON and comparison: the
+        fields in their order, then each latency metric's statistics."""
+        d: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "latency"}
+        d["slo"] = {"ttft_ms": self.slo.ttft_ms, "tpot_ms": self.slo.tpot_ms, "e2el_ms": self.slo.e2el_ms}
+        d["output_token_sources"], d["errors"] = dict(self.output_token_sources), dict(self.errors)
         for name, dist in self.latency.items():
             for stat in ("mean", "median", "std"):
                 d[f"{stat}_{name}_ms"] = getattr(dist, stat) if dist else None

@@ -7,12 +7,11 @@ caller's job (`run_level`), so the logic is tested without a server.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 from inferlab.bench.arrivals import LoadSpec
-from inferlab.bench.metrics import RunSummary, distserve_goodput
+from inferlab.bench.metrics import RunSummary, distserve_goodput, parse_numbers
 from inferlab.bench.runner import RunResult
 
 KINDS = ("rate", "concurrency")
@@ -50,25 +49,6 @@ class SweepPlan:
         return LoadSpec(request_rate=base.request_rate, burstiness=base.burstiness, max_concurrency=int(level))
 
 
-def parse_levels(text: str, what: str, integer: bool = False) -> tuple[float, ...]:
-    """`"1,2,4"` → (1.0, 2.0, 4.0), each > 0 (and whole when `integer`)."""
-    levels = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            v = float(part)
-        except ValueError:
-            raise ValueError(f"{what} takes a comma list of numbers, got {part!r}") from None
-        if not (math.isfinite(v) and v > 0) or (integer and not v.is_integer()):
-            raise ValueError(f"{what} levels must be {'whole numbers' if integer else 'numbers'} > 0, got {part!r}")
-        levels.append(v)
-    if not levels:
-        raise ValueError(f"{what} has no levels")
-    return tuple(levels)
-
-
 def parse_sweep(text: str) -> SweepPlan:
     """`rate:1,2,4`, `concurrency:1,8,32`, or `rate` / `concurrency` (double until saturation)."""
     kind, sep, rest = text.partition(":")
@@ -77,7 +57,7 @@ def parse_sweep(text: str) -> SweepPlan:
         raise ValueError(f"--sweep takes rate[:LEVELS] or concurrency[:LEVELS], got {text!r}")
     if not sep or not rest.strip():
         return SweepPlan(kind=kind)
-    levels = parse_levels(rest, "--sweep", integer=kind == "concurrency")
+    levels = parse_numbers(rest, "--sweep", integer=kind == "concurrency")
     return SweepPlan(kind=kind, levels=levels, stop_at_saturation=False)
 
 

@@ -33,44 +33,33 @@ class TextTokenizer(Protocol):
         ...
 
 
-class HFTokenizer:
-    """A Hugging Face `tokenizers` tokenizer from tokenizer.json (fast, no transformers import)."""
+class LocalTokenizer:
+    """A tokenizer in this process behind the bench's interface: Hugging Face `tokenizers`' from a
+    tokenizer.json (fast, no transformers import), or `inferlab.tokenizer.Tokenizer` (GGUF
+    vocabularies, HF directories), whose encode gives the ids themselves rather than an Encoding."""
 
     def __init__(self, tok: Any, name: str) -> None:
         self._tok = tok
         self.name = name
 
     @classmethod
-    def from_file(cls, path: str | Path) -> HFTokenizer:
+    def from_file(cls, path: str | Path) -> LocalTokenizer:
         from tokenizers import Tokenizer
 
         return cls(Tokenizer.from_file(str(path)), str(path))
 
+    def _ids(self, text: str, special: bool) -> list[int]:
+        out = self._tok.encode(text, add_special_tokens=special)
+        return list(getattr(out, "ids", out))
+
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        return self._ids(text, False)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
     def num_special_tokens(self) -> int:
-        return len(self._tok.encode("a", add_special_tokens=True).ids) - len(self._tok.encode("a", add_special_tokens=False).ids)
-
-
-class InferlabTokenizer:
-    """`inferlab.tokenizer.Tokenizer` (GGUF vocabularies, HF directories) behind the bench's interface."""
-
-    def __init__(self, tok: Any, name: str) -> None:
-        self._tok = tok
-        self.name = name
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=False)
-
-    def num_special_tokens(self) -> int:
-        return len(self._tok.encode("a", add_special_tokens=True)) - len(self._tok.encode("a", add_special_tokens=False))
+        return len(self._ids("a", True)) - len(self._ids("a", False))
 
 
 class RemoteTokenizer:
@@ -134,13 +123,13 @@ def load_tokenizer(path: str | Path) -> TextTokenizer:
     if p.is_file() and p.suffix == ".gguf":
         if Tokenizer is None:
             raise ValueError("reading a GGUF file's tokenizer needs inferlab.tokenizer, which is not installed")
-        return InferlabTokenizer(Tokenizer.from_gguf(str(p)), str(p))
+        return LocalTokenizer(Tokenizer.from_gguf(str(p)), str(p))
     if p.is_file() and p.name.endswith(".json"):
-        return HFTokenizer.from_file(p)
+        return LocalTokenizer.from_file(p)
     if p.is_dir() and Tokenizer is not None:  # special tokens and BOS flags from tokenizer_config.json too
-        return InferlabTokenizer(Tokenizer.from_pretrained_dir(str(p)), str(p))
+        return LocalTokenizer(Tokenizer.from_pretrained_dir(str(p)), str(p))
     if p.is_dir() and (p / "tokenizer.json").is_file():
-        return HFTokenizer.from_file(p / "tokenizer.json")
+        return LocalTokenizer.from_file(p / "tokenizer.json")
     raise ValueError(f"--tokenizer {path}: expected a .gguf file, a tokenizer.json, or a model directory")
 
 

@@ -110,7 +110,6 @@ class _Tracked:
     options: RequestOptions  # arrival_time set
     deadline: float | None
     timeout: float | None
-    added: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -496,7 +495,6 @@ class AsyncLLM:
                     self._finish(t, e, deliveries)
                     continue
                 self._busy_since = None
-                t.added = True
                 self._requests[t.request_id] = t
                 if t.deadline is not None:
                     heapq.heappush(self._deadlines, (t.deadline, next(self._seq), t.request_id))

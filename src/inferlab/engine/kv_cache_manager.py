@@ -75,7 +75,6 @@ class KVCacheManager:
         # Blocks cached at schedule time whose step has not run yet, by request id.
         self._unwritten: dict[str, list[KVBlock]] = {}
         self.total_stats = PrefixCacheStats()  # cumulative
-        self._interval_stats = PrefixCacheStats()  # since the last make_prefix_cache_stats()
 
     @property
     def num_blocks(self) -> int:
@@ -117,10 +116,9 @@ class KVCacheManager:
                 break
             hits.append(block)
         num_hit_tokens = len(hits) * self.block_size
-        for stats in (self.total_stats, self._interval_stats):
-            stats.requests += 1
-            stats.queries += request.num_tokens
-            stats.hits += num_hit_tokens
+        self.total_stats.requests += 1
+        self.total_stats.queries += request.num_tokens
+        self.total_stats.hits += num_hit_tokens
         return hits, num_hit_tokens
 
     def allocate_slots(
@@ -229,11 +227,6 @@ class KVCacheManager:
         self._num_cached_blocks.pop(rid, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
-
-    def make_prefix_cache_stats(self) -> PrefixCacheStats:
-        """Lookups since the previous call (for counters that are incremented per interval)."""
-        stats, self._interval_stats = self._interval_stats, PrefixCacheStats()
-        return stats
 
     def reset_prefix_cache(self) -> int:
         return self.block_pool.reset_prefix_cache()

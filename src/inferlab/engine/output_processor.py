@@ -71,35 +71,16 @@ class OutputProcessor:
         self.requests: dict[str, _RequestState] = {}
         self.child_to_parent: dict[str, tuple[str, int]] = {}
 
-    def add_request(
-        self,
-        request_id: str,
-        child_ids: list[str],
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        arrival_time: float,
-    ) -> None:
-        seqs = []
-        for i, cid in enumerate(child_ids):
-            seqs.append(
-                _Sequence(
-                    index=i,
-                    detok=self._make_detok(prompt_token_ids, params),
-                    logprobs=[] if params.logprobs is not None else None,
-                )
-            )
-            self.child_to_parent[cid] = (request_id, i)
+    def add_request(self, request_id: str, child_ids: list[str], prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, arrival_time: float) -> None:
+        seqs = [_Sequence(i, self._make_detok(prompt_token_ids, params), logprobs=[] if params.logprobs is not None
+                          else None) for i in range(len(child_ids))]  # fmt: skip
+        self.child_to_parent.update((cid, (request_id, i)) for i, cid in enumerate(child_ids))
         self.requests[request_id] = _RequestState(
-            request_id,
-            prompt,
-            prompt_token_ids,
-            params,
-            seqs,
+            request_id, prompt, prompt_token_ids, params, seqs,
             RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids)),
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
-            prompt_logprob_rows=[] if params.prompt_logprobs == -1 else None,
-        )
+            prompt_logprob_rows=[] if params.prompt_logprobs == -1 else None)  # fmt: skip
 
     def child_ids(self, request_id: str) -> list[str]:
         return [c for c, (p, _) in self.child_to_parent.items() if p == request_id]
@@ -191,21 +172,17 @@ class OutputProcessor:
         for seq in state.sequences:
             if seq.finish_reason is None:
                 seq.finish_reason = reason
-        for cid in [c for c, (p, _) in self.child_to_parent.items() if p == request_id]:
+        for cid in self.child_ids(request_id):
             del self.child_to_parent[cid]
         state.error = error
         return self._emit(state, now)
 
     @staticmethod
     def _update_metrics(m: RequestMetrics, co: EngineCoreOutput) -> None:
-        if co.first_scheduled_time is not None and (
-            m.first_scheduled_time is None or co.first_scheduled_time < m.first_scheduled_time
-        ):
-            m.first_scheduled_time = co.first_scheduled_time
-        if co.first_token_time is not None and (m.first_token_time is None or co.first_token_time < m.first_token_time):
-            m.first_token_time = co.first_token_time
-        if co.last_token_time is not None and (m.last_token_time is None or co.last_token_time > m.last_token_time):
-            m.last_token_time = co.last_token_time
+        """The request's times over its n sequences: the earliest start and first token, the latest token."""
+        m.first_scheduled_time = _either(min, m.first_scheduled_time, co.first_scheduled_time)
+        m.first_token_time = _either(min, m.first_token_time, co.first_token_time)
+        m.last_token_time = _either(max, m.last_token_time, co.last_token_time)
         m.num_cached_tokens = max(m.num_cached_tokens, co.num_cached_tokens)
         m.num_preemptions = max(m.num_preemptions, co.num_preemptions)
         m.num_generated_tokens += len(co.new_token_ids)
@@ -262,20 +239,11 @@ class OutputProcessor:
 
     def _emit(self, state: _RequestState, now: float) -> RequestOutput:
         outs = []
-        for seq in state.sequences:
-            outs.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=seq.text,
-                    token_ids=seq.token_ids,  # live list (no O(n) copy per step); final once finished
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                    logprobs=seq.logprobs,
-                    text_delta=seq.delta_text,
-                    token_ids_delta=seq.delta_ids,
-                    logprobs_delta=seq.delta_logprobs,
-                )
-            )
+        for seq in state.sequences:  # token_ids: the live list (no O(n) copy per step), final once finished
+            outs.append(CompletionOutput(index=seq.index, text=seq.text, token_ids=seq.token_ids,
+                                         finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                                         logprobs=seq.logprobs, text_delta=seq.delta_text,
+                                         token_ids_delta=seq.delta_ids, logprobs_delta=seq.delta_logprobs))
             seq.delta_text, seq.delta_ids, seq.delta_logprobs = "", [], None
         finished = state.finished
         if finished:
@@ -292,3 +260,8 @@ class OutputProcessor:
             prompt_logprobs=state.prompt_logprobs,
             prompt_logprob_rows=self._joined_rows(state),
         )
+
+
+def _either(pick: Callable[[float, float], float], old: float | None, new: float | None) -> float | None:
+    """`pick` of the two times, the one that is set if only one is."""
+    return old if new is None else new if old is None else pick(old, new)

@@ -291,6 +291,11 @@ TokenLogprobs = tuple[Logprob, list[Logprob]]
 PromptLogprobs = list[dict[int, Logprob] | None]
 
 
+def _span_ms(start: float | None, end: float | None) -> float:
+    """Milliseconds from `start` to `end`; 0 until both have happened."""
+    return 0.0 if start is None or end is None else (end - start) * 1000.0
+
+
 @dataclass
 class RequestMetrics:
     """Where one request's time went, in llama.cpp's and vLLM's terms."""
@@ -311,29 +316,21 @@ class RequestMetrics:
     @property
     def queue_ms(self) -> float:
         """Arrival to first scheduled."""
-        if self.first_scheduled_time is None:
-            return 0.0
-        return (self.first_scheduled_time - self.arrival_time) * 1000.0
+        return _span_ms(self.arrival_time, self.first_scheduled_time)
 
     @property
     def prompt_ms(self) -> float:
         """First scheduled to first token: reading the prompt (prefill)."""
-        if self.first_token_time is None or self.first_scheduled_time is None:
-            return 0.0
-        return (self.first_token_time - self.first_scheduled_time) * 1000.0
+        return _span_ms(self.first_scheduled_time, self.first_token_time)
 
     @property
     def predicted_ms(self) -> float:
         """First token to last token: writing the answer (decode)."""
-        if self.first_token_time is None or self.last_token_time is None:
-            return 0.0
-        return (self.last_token_time - self.first_token_time) * 1000.0
+        return _span_ms(self.first_token_time, self.last_token_time)
 
     @property
     def ttft_ms(self) -> float:
-        if self.first_token_time is None:
-            return 0.0
-        return (self.first_token_time - self.arrival_time) * 1000.0
+        return _span_ms(self.arrival_time, self.first_token_time)
 
     def timings(self) -> dict[str, Any]:
         """llama.cpp's `timings` object plus `queue_ms` (and, with speculative decoding, its

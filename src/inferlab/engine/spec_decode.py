@@ -85,20 +85,7 @@ class SpecDecodeStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
-        if len(self.accepted_per_pos) < num_draft_tokens:
-            self.accepted_per_pos.extend([0] * (num_draft_tokens - len(self.accepted_per_pos)))
-        for j in range(num_accepted):
-            self.accepted_per_pos[j] += 1
-        if len(self.drafted_per_pos) < num_draft_tokens:
-            self.drafted_per_pos.extend([0] * (num_draft_tokens - len(self.drafted_per_pos)))
-        for j in range(num_draft_tokens):
-            self.drafted_per_pos[j] += 1
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens per verification step: 1 (the target's own token) + accepted drafts."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        for counts, n in ((self.accepted_per_pos, num_accepted), (self.drafted_per_pos, num_draft_tokens)):
+            counts.extend([0] * (num_draft_tokens - len(counts)))  # as long as the longest draft
+            for j in range(n):
+                counts[j] += 1

@@ -52,24 +52,15 @@ def _messages(args: argparse.Namespace) -> list[dict] | None:
     return data
 
 
+# The sampling flags named as SamplingParams' fields (--seed is `sampling_seed`: EngineArgs has a --seed).
+_SAMPLING_FLAGS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "max_tokens", "stop", "ignore_eos", "logprobs")
+
+
 def run(args: argparse.Namespace) -> int:
     from inferlab.engine.request import SamplingParams
 
-    params = SamplingParams(
-        n=args.n,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.sampling_seed,
-        repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        max_tokens=args.max_tokens,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-        logprobs=args.logprobs,
-    )
+    params = SamplingParams(seed=args.sampling_seed, **{name: getattr(args, name) for name in _SAMPLING_FLAGS})
     messages = _messages(args)
     if messages is None and args.prompt is None:
         args.prompt = "In one sentence, why might a parcel arrive a day late?"
@@ -86,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         llm.shutdown()
     if args.json:
-        n_out = sum(len(c.token_ids) for c in out.outputs)
+        from inferlab.server.render import usage
+
         doc = {
             "model": llm.engine.model_name,
             "prompt_token_ids": out.prompt_token_ids,
@@ -105,12 +97,7 @@ def run(args: argparse.Namespace) -> int:
                 }
                 for c in out.outputs
             ],
-            "usage": {
-                "prompt_tokens": len(out.prompt_token_ids),
-                "completion_tokens": n_out,
-                "total_tokens": len(out.prompt_token_ids) + n_out,
-                "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
-            },
+            "usage": usage([out]),
             "timings": out.metrics.timings(),
         }
         json.dump(doc, sys.stdout, indent=2, ensure_ascii=False)

@@ -26,16 +26,10 @@ import torch
 from inferlab.config import ModelConfig
 from inferlab.models.gguf_loader import GLOBAL_NAMES, LAYER_NAMES
 from inferlab.models.model_config import llama3_rope_factors, model_config_from_hf
+from inferlab.tokenizer import CHATML_TEMPLATE  # the tiny models speak ChatML, llama.cpp's fallback
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2, as in SmolLM2
 TINY_VOCAB_SIZE = 384
-
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 
 # A few sentences with spaces, punctuation, digits and non-ASCII, so the BPE learns merges of
 # every kind a detokenizer must handle (multi-byte UTF-8 pieces, leading-space tokens).

@@ -61,10 +61,8 @@ def run(args: argparse.Namespace) -> int:
     if bench_runs:
         # Lengths (and, below, each run's concurrency) from the report unless given.
         first = bench_runs[0]
-        if args.input_len is None:
-            args.input_len = first.input_len
-        if args.output_len is None:
-            args.output_len = first.output_len
+        args.input_len = first.input_len if args.input_len is None else args.input_len
+        args.output_len = first.output_len if args.output_len is None else args.output_len
         if args.concurrency is None and args.request_rate is None:
             args.concurrency = first.max_concurrency
             if first.max_concurrency is None:
@@ -112,14 +110,10 @@ def _fill_from_scenario(args: argparse.Namespace, s) -> None:
         args.model = s.model
     if not (args.hardware or args.hardware_file or args.measure_cpu):
         args.hardware = s.hardware
-    if args.input_len is None:
-        args.input_len = s.input_len
-    if args.output_len is None:
-        args.output_len = s.output_len
-    if args.weight_dtype is None and s.weight_precision is not None:
-        args.weight_dtype = s.weight_precision
-    if args.usd_per_hour is None and s.usd_per_hour is not None:
-        args.usd_per_hour = s.usd_per_hour
+    for name, value in (("input_len", s.input_len), ("output_len", s.output_len),
+                        ("weight_dtype", s.weight_precision), ("usd_per_hour", s.usd_per_hour)):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
 
 def _run_fleet(args: argparse.Namespace, model, hardware) -> int:

@@ -7,14 +7,13 @@ one corresponds to and how to convert its unit.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from inferlab.plan.figures import Figure
+from inferlab.plan.figures import Figure, read_json
 from inferlab.plan.planner import Plan
 
 
@@ -83,11 +82,7 @@ class BenchRun:
 
 
 def load_bench_runs(path: str | Path) -> list[BenchRun]:
-    p = Path(path)
-    try:
-        doc = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p}: not JSON ({e.msg} at line {e.lineno})") from None
+    p, doc = read_json(path)
     if not isinstance(doc, dict) or doc.get("schema") != "inferlab.bench/1":
         raise ValueError(f"{p}: not an inferlab.bench/1 report")
     runs = doc.get("runs")

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from inferlab.engine.outputs import SchedulerOutput
+from inferlab.plan.figures import read_json
 from inferlab.plan.roofline import Roofline, StepShape
 
 PROFILE_SCHEMA = "inferlab.step-profile/1"
@@ -266,11 +267,7 @@ def fit_linear(samples: list[StepSample], source: str = "", relative: bool = Tru
 
 def load_profile(path: str | Path) -> list[StepSample]:
     """A profile JSON: {"schema": ..., "samples": [...]} or a bare list of samples."""
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p}: not JSON ({e.msg} at line {e.lineno})") from None
+    p, data = read_json(path)
     items = data.get("samples") if isinstance(data, dict) else data
     if not isinstance(items, list):
         raise ValueError(f"{p}: a step profile is a list of samples or an object with a 'samples' list")
@@ -287,11 +284,7 @@ def write_profile(samples: list[StepSample], path: str | Path, meta: dict[str, A
 
 
 def load_cost_model(path: str | Path) -> LinearCost:
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p}: not JSON ({e.msg} at line {e.lineno})") from None
+    p, data = read_json(path)
     if not isinstance(data, dict) or data.get("kind", "linear") != "linear":
         raise ValueError(f"{p}: expected a linear cost model written by `inferlab simulate --save-cost-model`")
     return LinearCost.from_dict(data, origin=str(p))

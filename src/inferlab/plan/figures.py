@@ -7,7 +7,9 @@ keeps the kind and the assumptions next to each value.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 Kind = Literal["computed", "simulated", "cited", "measured"]
@@ -104,3 +106,13 @@ def format_si(value: float, unit: str) -> str:
         if abs(value) >= size:
             return f"{value / size:.4g} {prefix}{unit}"
     return f"{value:.4g} {unit}"
+
+
+def read_json(path: str | Path) -> tuple[Path, Any]:
+    """A JSON file the planner reads (a bench report, a step profile, a cost model, a hardware
+    profile) and its path; malformed JSON is a ValueError naming the file and the line."""
+    p = Path(path)
+    try:
+        return p, json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}: not JSON ({e.msg} at line {e.lineno})") from None

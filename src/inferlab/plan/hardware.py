@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from inferlab.plan.figures import Kind
+from inferlab.plan.figures import Kind, read_json
 
 SCHEMA = "inferlab.hardware/1"
 
@@ -129,11 +129,7 @@ def builtin_hardware(name: str) -> HardwareSpec:
 
 
 def load_hardware_file(path: str | Path) -> HardwareSpec:
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p}: not JSON ({e.msg} at line {e.lineno})") from None
+    p, data = read_json(path)
     if not isinstance(data, dict):
         raise ValueError(f"{p}: a hardware profile must be a JSON object")
     return HardwareSpec.from_dict(data, origin=str(p))

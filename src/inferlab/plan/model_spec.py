@@ -10,6 +10,7 @@ safetensors files by their JSON headers, so planning a 70B model costs nothing b
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -200,21 +201,8 @@ _SHAPE_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head
 
 def _spec(config: ModelConfig, **fields: Any) -> ModelSpec:
     """The planner's view of the engine's ModelConfig: the shape, plus where the numbers came from."""
-    return ModelSpec(
-        num_layers=config.num_layers,
-        hidden_size=config.hidden_size,
-        num_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        intermediate_size=config.intermediate_size,
-        vocab_size=config.vocab_size,
-        tie_word_embeddings=config.tie_word_embeddings,
-        qk_norm=config.qk_norm,
-        attention_bias=config.attention_bias,
-        max_position_embeddings=config.max_position_embeddings,
-        params_kind="computed",
-        **fields,
-    )
+    shape = {f: getattr(config, f) for f in (*_SHAPE_FIELDS, "max_position_embeddings")}
+    return ModelSpec(**shape, params_kind="computed", **fields)
 
 
 def spec_from_config(cfg: dict[str, Any], source: str, name: str | None = None) -> ModelSpec:
@@ -249,11 +237,8 @@ def spec_from_hf_dir(path: Path) -> ModelSpec:
         for tname, info in _safetensors_header(f).items():
             if tname == "__metadata__":
                 continue
-            count = 1
-            for dim in info["shape"]:
-                count *= int(dim)
             start, end = info["data_offsets"]
-            n_params += count
+            n_params += math.prod(int(dim) for dim in info["shape"])
             n_bytes += end - start
             if tname.endswith("embed_tokens.weight"):
                 embed_bytes += end - start

@@ -8,7 +8,7 @@ a request rate by Little's law, or by default as many sequences as the memory ho
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from inferlab.plan.figures import Figure
@@ -264,23 +264,11 @@ def build_plan(inp: PlanInputs) -> Plan:
         label="compute-bound batch, short contexts")
 
     rows = _batch_rows(rf, ctx, max_seqs, conc)
-    inputs = {
-        "model": m.name,
-        "hardware": hw.name,
-        "weight_precision": "as stored in the file" if rf.from_file else rf.weight_precision.name,
-        "kv_precision": rf.kv_precision.name,
-        "input_len": wl.input_len,
-        "output_len": wl.output_len,
-        "concurrency": wl.concurrency,
-        "request_rate": wl.request_rate,
-        "usd_per_hour": inp.usd_per_hour,
-        "reserve_fraction": inp.reserve_fraction,
-        "reserve_bytes": inp.reserve_bytes,
-        "memory_efficiency": inp.memory_efficiency,
-        "compute_efficiency": inp.compute_efficiency,
-        "step_overhead_s": inp.step_overhead_s,
-        "block_size": inp.block_size,
-    }
+    inputs = {"model": m.name, "hardware": hw.name,
+              "weight_precision": "as stored in the file" if rf.from_file else rf.weight_precision.name,
+              "kv_precision": rf.kv_precision.name, **asdict(wl),
+              **{f: getattr(inp, f) for f in ("usd_per_hour", "reserve_fraction", "reserve_bytes", "memory_efficiency",
+                                               "compute_efficiency", "step_overhead_s", "block_size")}}  # fmt: skip
     return Plan(inputs, figs, rows)
 
 

@@ -31,6 +31,7 @@ from inferlab.bench.metrics import (
 )
 from inferlab.bench.report import print_terminal, write_json
 from inferlab.config import CacheConfig, SchedulerConfig
+from inferlab.engine.engine_args import EngineArgs
 from inferlab.plan import calibrate_cli
 from inferlab.plan.args import (
     DEFAULT_INPUT_LEN,
@@ -49,6 +50,7 @@ from inferlab.plan.cost_model import (
     load_profile,
     save_cost_model,
 )
+from inferlab.plan.roofline import kv_memory_available
 from inferlab.plan.sim_report import simulation_report
 from inferlab.plan.simulator import SimWorkload, simulate
 from inferlab.router.policies import POLICIES
@@ -56,15 +58,10 @@ from inferlab.router.policies import POLICIES
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common_arguments(p)
-    d = SchedulerConfig()
     s = p.add_argument_group("scheduler (the engine's own flags)")
-    s.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help=f"default {d.max_num_seqs}")
-    s.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                   help=f"default {d.max_num_batched_tokens}")
+    EngineArgs.add_cli_args(s, only=("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
+                                     "long_prefill_token_threshold", "enable_prefix_caching"))
     s.add_argument("--max-model-len", type=int, default=None, help="default: input + output length")
-    s.add_argument("--no-chunked-prefill", action="store_true")
-    s.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    s.add_argument("--no-prefix-caching", action="store_true")
     s.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks (default: what the plan's memory budget leaves for KV)")
 
@@ -152,8 +149,8 @@ def run(args: argparse.Namespace) -> int:
         inputs = plan_inputs(args, model, hardware, concurrency=args.concurrency, request_rate=math.inf)
         roofline = inputs.roofline()
         if num_blocks is None:
-            free = max(hardware.memory_bytes * (1 - inputs.reserve_fraction) - inputs.reserve_bytes
-                       - roofline.weight_bytes, 0.0)
+            free = kv_memory_available(hardware.memory_bytes, roofline.weight_bytes, inputs.reserve_fraction,
+                                       inputs.reserve_bytes)
             num_blocks = int(free // (args.block_size * roofline.kv_bytes_per_token))
     if num_blocks is None:
         raise ValueError("without --hardware, give --num-blocks (the KV cache size in blocks)")
@@ -166,11 +163,11 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=max_model_len,
-        enable_chunked_prefill=not args.no_chunked_prefill,
+        enable_chunked_prefill=args.enable_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
     )
     cache_cfg = CacheConfig(block_size=args.block_size, num_blocks_override=num_blocks,
-                            enable_prefix_caching=not args.no_prefix_caching)
+                            enable_prefix_caching=args.enable_prefix_caching)
     rate = args.request_rate if args.request_rate is not None else math.inf
     workload = SimWorkload(
         num_prompts=args.num_prompts, input_len=input_len, output_len=output_len, request_rate=rate,

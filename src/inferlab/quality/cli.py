@@ -13,26 +13,26 @@ import math
 import sys
 import time
 
-from inferlab.config import KV_CACHE_DTYPES, WEIGHT_DTYPES
+from inferlab.engine.engine_args import PRECISION, EngineArgs
+
+
+def add_text_arguments(p: argparse.ArgumentParser, batch_help: str) -> None:
+    """The flags `perplexity` and `quant-report` share: the text, its chunks, the threads."""
+    p.add_argument("-f", "--file", required=True, help="the text to score (UTF-8)")
+    p.add_argument("-c", "--ctx-size", type=int, default=512, help="tokens per chunk; the second half is scored (default 512)")
+    p.add_argument("-b", "--batch-size", type=int, default=2048, help=batch_help)
+    p.add_argument("--chunks", type=int, default=-1, help="score at most this many chunks (default: all)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="torch threads (default: torch's)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", default=None, help="GGUF file, HF directory or hub id (default: SmolLM2-135M-Instruct)")
-    p.add_argument("-f", "--file", required=True, help="the text to score (UTF-8)")
-    p.add_argument("-c", "--ctx-size", type=int, default=512, help="tokens per chunk; the second half is scored (default 512)")
-    p.add_argument("-b", "--batch-size", type=int, default=2048,
-                   help="tokens per engine step: b / c chunks at once (default 2048, llama-perplexity's)")
-    p.add_argument("--chunks", type=int, default=-1, help="score at most this many chunks (default: all)")
+    EngineArgs.add_cli_args(p, only=PRECISION)
+    add_text_arguments(p, "tokens per engine step: b / c chunks at once (default 2048, llama-perplexity's)")
     p.add_argument("--kl-divergence-base", default=None, metavar="FILE",
                    help="without --kl-divergence: save this model's distribution here; with it: read it")
     p.add_argument("--kl-divergence", action="store_true", help="compare with the base in --kl-divergence-base")
     p.add_argument("--kld-top-k", type=int, default=1024,
                    help="log-probs kept per token in a saved base (default 1024; the rest as one bin)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--weight-dtype", default="auto", choices=list(WEIGHT_DTYPES))
-    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
-    p.add_argument("--load-format", default="auto", choices=["auto", "gguf", "hf", "dummy"])
-    p.add_argument("-t", "--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object (progress on stderr)")
 
 
@@ -51,9 +51,9 @@ def run(args: argparse.Namespace) -> int:
         text = f.read()
     t0 = time.perf_counter()
     n_ctx = args.ctx_size
-    llm = LLM(args.model, dtype=args.dtype, weight_dtype=args.weight_dtype, kv_cache_dtype=args.kv_cache_dtype,
-              load_format=args.load_format, max_model_len=n_ctx + 1, max_num_batched_tokens=max(args.batch_size, n_ctx),
-              max_num_seqs=max(1, args.batch_size // n_ctx), enable_prefix_caching=False, num_threads=args.threads)
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(
+        args, max_model_len=n_ctx + 1, max_num_batched_tokens=max(args.batch_size, n_ctx),
+        max_num_seqs=max(1, args.batch_size // n_ctx), enable_prefix_caching=False, num_threads=args.threads))
     tok = llm.get_tokenizer()
     if tok is None:
         raise ValueError("this model has no tokenizer, so it cannot read a text")

@@ -18,16 +18,16 @@ import shlex
 import sys
 from pathlib import Path
 
+from inferlab.engine.engine_args import EngineArgs
+from inferlab.quality.cli import add_text_arguments
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from inferlab.quality.report_modes import available_modes
 
     weights, kv = available_modes()
-    p.add_argument("-m", "--model", default=None, help="GGUF file, HF directory or hub id (default: SmolLM2-135M-Instruct)")
-    p.add_argument("-f", "--file", required=True, help="the text to score (UTF-8)")
-    p.add_argument("-c", "--ctx-size", type=int, default=512, help="tokens per chunk; the second half is scored (default 512)")
-    p.add_argument("-b", "--batch-size", type=int, default=2048, help="tokens per scoring step (default 2048)")
-    p.add_argument("--chunks", type=int, default=-1, help="score at most this many chunks (default: all)")
+    EngineArgs.add_cli_args(p, only=("model",))
+    add_text_arguments(p, "tokens per scoring step (default 2048)")
     p.add_argument("--weight-dtypes", default=None, metavar="A,B",
                    help=f"weight modes, each with auto K/V (default: all this machine runs of {','.join(weights)}; "
                         "none: no weight rows)")
@@ -38,7 +38,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=128, help="tokens per speed prompt (default 128)")
     p.add_argument("--output-tokens", type=int, default=64, help="tokens decoded per stream (default 64)")
     p.add_argument("--speed-runs", type=int, default=3, help="speed runs per mode, the median is reported (default 3)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--markdown", default=None, metavar="OUT.md", help="write the table here (default: print it)")
     p.add_argument("--png", default=None, metavar="OUT.png", help="write the quality-vs-speed figure here")
     p.add_argument("--json", default=None, metavar="OUT.json", help="write every number here")

@@ -72,10 +72,9 @@ def markdown(doc: dict[str, Any]) -> str:
 def plot(doc: dict[str, Any], path: str | Path) -> Path:
     """Mean KLD (log axis) and ΔPPL % against one-stream decode tokens/s, one labelled point per
     mode. The base's KLD (~0, itself) sits on the axis floor, drawn hollow."""
-    import matplotlib
+    from inferlab.bench.plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = doc["rows"]
     x = [r["decode_tps_1"] for r in rows]

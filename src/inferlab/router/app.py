@@ -30,7 +30,7 @@ from inferlab.router.probes import Prober
 from inferlab.router.proxy import Proxy, ProxySettings, unavailable
 from inferlab.router.tokens import LocalTokenizer, PromptTokenizer, RemoteTokenizer, prompt_spec
 from inferlab.server.auth import ApiKeyGuard
-from inferlab.server.httputil import add_error_handlers, client_gone
+from inferlab.server.httputil import ClientGone, add_error_handlers, unless_client_gone
 from inferlab.server.protocol import ApiError
 from inferlab.server.tenants import Tenant, TenantTable
 
@@ -228,19 +228,11 @@ def build_router_app(settings: RouterSettings, *, tokenizer: PromptTokenizer | N
         salt = tenant.request_salt(payload.get("cache_salt") if isinstance(payload.get("cache_salt"), str) else None)
         request = fleet.request(ids, salt, str(session) if session is not None else None)
         proxy: Proxy = holder["proxy"]
-        exchange = asyncio.ensure_future(proxy.forward(path, body, upstream_headers(raw), request, stream))
-        gone = asyncio.ensure_future(client_gone(raw))
         try:
-            await asyncio.wait({exchange, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if not exchange.done():  # the client left before any answer: cancel the upstream call
-            exchange.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await exchange
+            response = await unless_client_gone(raw, proxy.forward(path, body, upstream_headers(raw), request, stream))
+        except ClientGone:  # the client left before any answer: the upstream call is cancelled
             metrics.requests.labels(route=path, outcome="disconnected").inc()
             return Response(status_code=499)
-        response = exchange.result()
         metrics.requests.labels(route=path, outcome=str(response.status_code)).inc()
         return response
 

@@ -27,6 +27,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from inferlab.server.live import percentiles
+
 POOLS = ("stable", "canary")
 
 
@@ -68,13 +70,6 @@ class PoolStats:
 def session_fraction(key: str) -> float:
     """A session's place in [0, 1), the same in every process."""
     return int.from_bytes(hashlib.sha256(b"canary\x00" + key.encode()).digest()[:8], "big") / 2.0**64
-
-
-def p95(values: Sequence[float]) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, math.ceil(0.95 * len(s)) - 1)]
 
 
 class Canary:
@@ -120,7 +115,7 @@ class Canary:
         for pool in POOLS:
             mine = [o for o in self._outcomes if o.pool == pool]
             ttfts = [o.ttft_s for o in mine if o.ok and o.ttft_s is not None]
-            out[pool] = PoolStats(len(mine), sum(1 for o in mine if not o.ok), p95(ttfts))
+            out[pool] = PoolStats(len(mine), sum(1 for o in mine if not o.ok), percentiles(ttfts, (95,))["p95"])
         return out
 
     def check(self, now: float) -> str | None:

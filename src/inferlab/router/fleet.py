@@ -123,7 +123,7 @@ class Fleet:
     def first_token(self, ticket: Ticket) -> None:
         self.replicas[ticket.replica].state.first_token(ticket, self.clock())
 
-    def finish(self, ticket: Ticket, outcome: str, error: str = "") -> bool:
+    def finish(self, ticket: Ticket, outcome: str) -> bool:
         """Release the ticket. `failed` (5xx, timeout) and `fatal` (connection refused or reset)
         feed the circuit breaker; `abandoned` (the client left) feeds nothing. True if the
         replica was ejected by this outcome."""
@@ -138,7 +138,7 @@ class Fleet:
         elif outcome == "abandoned":
             r.health.request_abandoned()
         else:
-            ejected = r.health.request_failed(self.clock(), error or outcome, fatal=outcome == "fatal")
+            ejected = r.health.request_failed(self.clock(), fatal=outcome == "fatal")
             if ejected:
                 self.forget(r.name)  # it may come back empty
             return ejected
@@ -161,8 +161,8 @@ class Fleet:
         self.index.forget(name)
         self.replicas[name].kv.reset()
 
-    def probe_failed(self, name: str, error: str) -> None:
-        self.replicas[name].health.probe_failed(error)
+    def probe_failed(self, name: str) -> None:
+        self.replicas[name].health.probe_failed()
 
     def states(self) -> dict[str, str]:
         now = self.clock()

@@ -43,7 +43,6 @@ class ReplicaHealth:
         self._ejection_s = self.config.ejection_s
         self.trial_in_flight = False
         self.ejections = 0  # cumulative
-        self.last_error: str | None = None
 
     # ------------------------------------------------------------------ active probes
     def probe_ok(self) -> bool:
@@ -52,9 +51,8 @@ class ReplicaHealth:
         self.ready = True
         return became
 
-    def probe_failed(self, error: str) -> None:
+    def probe_failed(self) -> None:
         self.ready = False
-        self.last_error = error
 
     # ------------------------------------------------------------------ passive outcomes
     def request_ok(self) -> None:
@@ -64,10 +62,9 @@ class ReplicaHealth:
             self._ejection_s = self.config.ejection_s
         self.trial_in_flight = False
 
-    def request_failed(self, now: float, error: str, *, fatal: bool = False) -> bool:
+    def request_failed(self, now: float, *, fatal: bool = False) -> bool:
         """A request failed on this replica; `fatal` (connection refused or reset) ejects at once.
         Returns True if this failure opened the circuit."""
-        self.last_error = error
         self.consecutive_failures += 1
         self.trial_in_flight = False
         if self.circuit is Circuit.HALF_OPEN:

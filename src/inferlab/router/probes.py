@@ -159,4 +159,4 @@ class Prober:
     def _fail(self, name: str, error: str) -> None:
         if self.fleet.replicas[name].health.ready:
             logger.warning("replica %s is down: %s", name, error)
-        self.fleet.probe_failed(name, error)
+        self.fleet.probe_failed(name)

@@ -161,7 +161,7 @@ class Proxy:
 
     def _end(self, ticket: Ticket, outcome: str, error: str = "") -> None:
         first_end = not ticket.released
-        ejected = self.fleet.finish(ticket, outcome, error)
+        ejected = self.fleet.finish(ticket, outcome)
         if ejected:
             self.metrics.ejections.labels(replica=ticket.replica).inc()
             logger.warning("replica %s ejected: %s", ticket.replica, error or outcome)

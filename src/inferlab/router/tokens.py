@@ -50,9 +50,7 @@ def prompt_spec(chat: bool, payload: dict[str, Any]) -> PromptSpec | None:
             plain = tuple(ChatMessage.model_validate(m).plain() for m in messages)
             return PromptSpec("chat", messages=plain, add_generation_prompt=payload.get("add_generation_prompt", True) is not False)
         p = payload.get("prompt")
-        if isinstance(p, list) and p and isinstance(p[0], list):
-            p = p[0]
-        elif isinstance(p, list) and p and isinstance(p[0], str):
+        if isinstance(p, list) and p and isinstance(p[0], (list, str)):  # a batch: its first prompt
             p = p[0]
         if isinstance(p, str):
             return PromptSpec("text", text=p, add_special_tokens=payload.get("add_special_tokens", True) is not False)

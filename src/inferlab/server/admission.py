@@ -53,8 +53,4 @@ def to_api_error(exc: BaseException, prompt_param: str = "prompt") -> ApiError:
 
 def effective_timeout(server_timeout: float | None, request_timeout: float | None) -> float | None:
     """A request may ask for a shorter deadline than the server's, never a longer one."""
-    if server_timeout is None:
-        return request_timeout
-    if request_timeout is None:
-        return server_timeout
-    return min(server_timeout, request_timeout)
+    return min((t for t in (server_timeout, request_timeout) if t is not None), default=None)

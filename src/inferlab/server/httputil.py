@@ -3,9 +3,12 @@ disconnect watch, the SSE response that always ends its stream, running uvicorn 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 import signal
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -13,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferlab.server.protocol import ApiError
 
+T = TypeVar("T")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -40,6 +44,27 @@ async def client_gone(raw: Request) -> None:
         message = await raw.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+class ClientGone(Exception):
+    """The client disconnected before its (non-streamed) answer was ready."""
+
+
+async def unless_client_gone(raw: Request, work: Awaitable[T]) -> T:
+    """`work`'s result; if the client disconnects first, `work` is cancelled and ClientGone raised."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(client_gone(raw))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ClientGone()
+    return task.result()
 
 
 class ClosingStream(StreamingResponse):

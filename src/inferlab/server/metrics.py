@@ -93,54 +93,36 @@ class ServerMetrics:
         self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         stats = engine.get_stats()
-        info = Gauge(
-            "vllm:cache_config_info",
-            "Information of the KV cache configuration.",
-            [*names, "block_size", "num_gpu_blocks"],
-            registry=reg,
-        )
+        info = Gauge("vllm:cache_config_info", "Information of the KV cache configuration.",
+                     [*names, "block_size", "num_gpu_blocks"], registry=reg)
         info.labels(**labels, block_size=str(stats.block_size), num_gpu_blocks=str(stats.num_blocks)).set(1)
 
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
-        self.prefix_cache_queries = counter(
-            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
-        )
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
+                                            "Prefix cache queries, in terms of number of queried tokens.")
         self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
-        success = Counter(
-            "vllm:request_success", "Count of successfully processed requests.", [*names, "finished_reason"], registry=reg
-        )
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          [*names, "finished_reason"], registry=reg)
         self.request_success = {r: success.labels(**labels, finished_reason=r) for r in FINISH_REASONS}
 
-        max_len = int(getattr(engine, "max_model_len", 2048))
+        lengths = build_1_2_5_buckets(int(getattr(engine, "max_model_len", 2048)))
+        tok, req = TOKEN_LATENCY_BUCKETS, REQUEST_LATENCY_BUCKETS
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.itl = histogram(
-            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", TOKEN_LATENCY_BUCKETS
-        )
-        self.tpot = histogram(
-            "vllm:request_time_per_output_token_seconds",
-            "Histogram of time_per_output_token_seconds per request.",
-            TOKEN_LATENCY_BUCKETS,
-        )
-        self.e2e = histogram(
-            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS
-        )
-        self.queue_time = histogram(
-            "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS
-        )
-        self.prefill_time = histogram(
-            "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS
-        )
-        self.decode_time = histogram(
-            "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS
-        )
-        self.request_prompt_tokens = histogram(
-            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", build_1_2_5_buckets(max_len)
-        )
-        self.request_generation_tokens = histogram(
-            "vllm:request_generation_tokens", "Number of generation tokens processed.", build_1_2_5_buckets(max_len)
-        )
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", tok)
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
+                              "Histogram of time_per_output_token_seconds per request.", tok)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", req)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", req)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.", req)
+        self.decode_time = histogram("vllm:request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.", req)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", lengths)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                   "Number of generation tokens processed.", lengths)
         self.spec: dict[str, Any] | None = None
         spec_config = getattr(engine, "speculative_config", None)
         if spec_config is not None:  # vLLM registers these only with speculative decoding on

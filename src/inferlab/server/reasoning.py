@@ -48,7 +48,7 @@ class ReasoningStream:
                 reasoning, rest = self.buffer[:end], self.buffer[end + len(CLOSE) :].lstrip()
                 self.state, self.buffer = "content", ""
                 return reasoning, rest
-            keep = _partial_suffix(self.buffer, CLOSE)
+            keep = partial_suffix(self.buffer, CLOSE)
             out, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep :]
             return out, ""
         out, self.buffer = self.buffer, ""
@@ -59,7 +59,8 @@ class ReasoningStream:
         return (rest, "") if self.state == "thinking" else ("", rest)
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (held back: it may be the tag)."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-n:]):
             return n

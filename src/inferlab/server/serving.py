@@ -30,7 +30,7 @@ from inferlab.engine.errors import EngineDeadError
 from inferlab.engine.generation_config import SamplingDefaults
 from inferlab.engine.request import RequestOptions, RequestOutput, SamplingParams
 from inferlab.server.admission import effective_timeout, to_api_error
-from inferlab.server.httputil import ClosingStream, client_gone
+from inferlab.server.httputil import ClientGone, ClosingStream, unless_client_gone
 from inferlab.server.metrics import TenantMetrics
 from inferlab.server.protocol import (
     ApiError,
@@ -330,15 +330,8 @@ class OpenAIServing:
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
-                rid = rids[i]
-                stream = await self.llm.add_request(
-                    rid,
-                    prompt,
-                    dataclasses.replace(params) if i else params,
-                    options,
-                    timeout=timeout,
-                )
-                streams.append(stream)
+                params_i = dataclasses.replace(params) if i else params
+                streams.append(await self.llm.add_request(rids[i], prompt, params_i, options, timeout=timeout))
         except BaseException as e:
             for s in streams:
                 s.abort()
@@ -363,7 +356,7 @@ class OpenAIServing:
             body = response_dict(ctx, finals, logprobs)
             status = "ok"
             return JSONResponse(body)
-        except _ClientGone:
+        except ClientGone:
             return Response(status_code=499)
         except Exception as e:
             err = to_api_error(e, prompt_param)
@@ -405,17 +398,7 @@ class OpenAIServing:
                         if c.logprobs_delta:
                             logprobs[p][c.index].extend(c.logprobs_delta)
 
-        work = asyncio.ensure_future(drain())
-        gone = asyncio.ensure_future(client_gone(raw))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not work.done():
-                work.cancel()
-            gone.cancel()
-        if not work.done() or work.cancelled():
-            raise _ClientGone()
-        work.result()
+        await unless_client_gone(raw, drain())
         return finals, logprobs  # type: ignore[return-value]
 
     def _apply_tenant_caps(
@@ -466,17 +449,8 @@ class OpenAIServing:
             self._log(ctx, tenant, f"rejected {err.status}: {err.message}", [], arrival, log_text)
             raise
 
-    def _end(
-        self,
-        ctx: ResponseContext,
-        tenant: Tenant,
-        lease: Lease | None,
-        status: str,
-        finals: list[RequestOutput | None],
-        arrival: float,
-        log_text: str | None,
-        outcome: str | None,
-    ) -> None:
+    def _end(self, ctx: ResponseContext, tenant: Tenant, lease: Lease | None, status: str,
+             finals: list[RequestOutput | None], arrival: float, log_text: str | None, outcome: str | None) -> None:
         """Once per admitted request: its log line, its tenant's tokens, its lease back; a
         stream's outcome (a plain response's is counted by the route, from its status)."""
         n_in, n_out = _token_counts(finals)
@@ -488,15 +462,8 @@ class OpenAIServing:
                 self.tenant_metrics.outcome(tenant.name, outcome)
         self._log(ctx, tenant, status, finals, arrival, log_text)
 
-    def _log(
-        self,
-        ctx: ResponseContext,
-        tenant: Tenant,
-        status: str,
-        finals: list[RequestOutput | None],
-        arrival: float,
-        log_text: str | None,
-    ) -> None:
+    def _log(self, ctx: ResponseContext, tenant: Tenant, status: str, finals: list[RequestOutput | None],
+             arrival: float, log_text: str | None) -> None:
         """One line per request; the prompt text only with --log-prompts."""
         done = [o for o in finals if o is not None]
         n_in, n_out = _token_counts(done)
@@ -505,19 +472,9 @@ class OpenAIServing:
         ttft = f"{min(ttfts):.1f}" if ttfts else "-"
         total_ms = (time.monotonic() - arrival) * 1000.0
         prompt = f" prompt={log_text!r}" if log_text is not None else ""
-        logger.info(
-            "%s %s tenant=%s status=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d ttft_ms=%s total_ms=%.1f%s",
-            ctx.response_id,
-            ctx.kind,
-            tenant.name,
-            status,
-            n_in,
-            cached,
-            n_out,
-            ttft,
-            total_ms,
-            prompt,
-        )
+        logger.info("%s %s tenant=%s status=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d ttft_ms=%s "
+                    "total_ms=%.1f%s", ctx.response_id, ctx.kind, tenant.name, status, n_in, cached, n_out, ttft,
+                    total_ms, prompt)  # fmt: skip
 
 
 def sampling_defaults(engine: Any) -> SamplingDefaults:
@@ -533,12 +490,5 @@ def _token_counts(finals: list[RequestOutput | None]) -> tuple[int, int]:
 
 def _stream_outcome(status: str) -> str:
     """The outcome label of a stream from its status word (see `sse_stream`)."""
-    if status == "ok":
-        return "ok"
-    if status == "disconnected":
-        return "disconnected"
-    return "error"
+    return status if status in ("ok", "disconnected") else "error"
 
-
-class _ClientGone(Exception):
-    """The client disconnected before the (non-streamed) answer was ready."""

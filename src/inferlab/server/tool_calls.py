@@ -25,6 +25,7 @@ from typing import Any
 
 from inferlab.engine.request import StructuredOutputsParams
 from inferlab.server.protocol import bad_request
+from inferlab.server.reasoning import partial_suffix
 
 PARSERS = ("auto", "hermes", "llama3_json")
 
@@ -287,7 +288,7 @@ class ToolStream:
             if not self.inside:
                 at = self.buffer.find(OPEN)
                 if at < 0:
-                    keep = _partial_suffix(self.buffer, OPEN)
+                    keep = partial_suffix(self.buffer, OPEN)
                     content.append(self.buffer[: len(self.buffer) - keep])
                     self.buffer = self.buffer[len(self.buffer) - keep :]
                     break
@@ -321,14 +322,6 @@ class ToolStream:
             content, calls = (self.out.extract(rest) if not self.inside else parse_hermes(text))
             return Delta(content=content or "", tool_calls=[self._call_delta(c) for c in calls])
         return Delta(content=rest)
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag` (held back: it may be the tag)."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def message_for_template(m: dict[str, Any]) -> dict[str, Any]:
