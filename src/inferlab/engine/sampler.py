@@ -58,11 +58,7 @@ class Sampler:
             drafts = [rows[i].draft_token_ids if rows[i].draft_depth == 0 else () for i in grammar_rows]
             self.grammar_masks(logits, grammar_rows, [rows[i].grammar for i in grammar_rows],
                                drafts if any(drafts) else None)
-        if any(r.sampling_params.has_token_constraints for r in rows):
-            logits = apply_token_constraints(logits.clone(), rows)
-        if any(r.sampling_params.has_penalties for r in rows):
-            logits = apply_penalties(logits.clone(), rows)
-        logits = mask_early_stop_tokens(logits, rows)
+        logits = adjust_logits(logits, rows)
 
         params = [r.sampling_params for r in rows]
         if self.fused:
@@ -82,11 +78,7 @@ class Sampler:
         allowed tokens, penalties, min_tokens, temperature, top-k/top-p (`apply_top_k_top_p`,
         the definition `sample_truncated` follows), min-p; one-hot at the argmax for greedy
         rows. Rejection sampling against a draft distribution needs p itself, not a sample."""
-        if any(r.sampling_params.has_token_constraints for r in rows):
-            logits = apply_token_constraints(logits.clone(), rows)
-        if any(r.sampling_params.has_penalties for r in rows):
-            logits = apply_penalties(logits.clone(), rows)
-        logits = mask_early_stop_tokens(logits, rows)
+        logits = adjust_logits(logits, rows)
         params = [r.sampling_params for r in rows]
         temp = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float32)
         scaled = logits / temp.unsqueeze(1)
@@ -296,6 +288,17 @@ def apply_penalties(logits: torch.Tensor, rows: list[ScheduledRequest]) -> torch
             counts = torch.bincount(torch.tensor(r.output_token_ids, dtype=torch.long), minlength=vocab)[:vocab]
             logits[i] -= sp.frequency_penalty * counts.float() + sp.presence_penalty * (counts > 0).float()
     return logits
+
+
+def adjust_logits(logits: torch.Tensor, rows: list[ScheduledRequest]) -> torch.Tensor:
+    """What every request's own fields do to its logits before sampling (`Sampler.__call__`)
+    and before its distribution is taken (`Sampler.probs`): logit bias / allowed tokens,
+    penalties, min_tokens; a copy where anything changes, `logits` itself where nothing does."""
+    if any(r.sampling_params.has_token_constraints for r in rows):
+        logits = apply_token_constraints(logits.clone(), rows)
+    if any(r.sampling_params.has_penalties for r in rows):
+        logits = apply_penalties(logits.clone(), rows)
+    return mask_early_stop_tokens(logits, rows)
 
 
 def mask_early_stop_tokens(logits: torch.Tensor, rows: list[ScheduledRequest]) -> torch.Tensor:
