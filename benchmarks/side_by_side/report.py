@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from inferlab.bench import report as bench_report
 from inferlab.bench.plots import pyplot
+from inferlab.kernels.build import VARIANTS, cpu_flags
 from side_by_side.floors import Floor
 from side_by_side.measure import Session
 from side_by_side.systems import System
@@ -169,6 +170,9 @@ def plot_sweep(session: Session, systems: Sequence[System], levels: Sequence[int
     return path
 
 
+_KERNEL_FLAGS = frozenset(f for need, _ in VARIANTS.values() for f in need)  # the kind of machine a table is from
+
+
 def versions(paths: Paths, systems: Sequence[System]) -> dict[str, str]:
     """What ran: inferlab's commit, torch, llama.cpp's build, vLLM's version, the CPU."""
     def v(pkg: str) -> str:
@@ -189,6 +193,7 @@ def versions(paths: Paths, systems: Sequence[System]) -> dict[str, str]:
     cpu = bench_report.machine()
     info = {
         "machine": f"{cpu['cpu_model']}, {cpu['cpu_count']} cores, Linux {platform.release()}",
+        "CPU flags (those the kernel variants ask for)": " ".join(sorted(_KERNEL_FLAGS & cpu_flags())) or "none",
         "inferlab": f"{v('inferlab')}, commit {commit}" + (" with uncommitted changes" if dirty else ""),
         "inferlab's torch": v("torch"),
         "python": platform.python_version(),
