@@ -14,6 +14,7 @@ from inferlab.engine.outputs import ScheduledRequest
 from inferlab.engine.request import SamplingParams, StructuredOutputsParams
 from inferlab.engine.sampler import Sampler
 from inferlab.engine.structured_outputs import GrammarCompiler, GrammarMasker, apply_bitmask
+from inferlab.kernels import build
 
 VOCAB = 390  # the tiny tokenizer's 384 tokens, padded to a width that is no multiple of 32
 CONSTRAINTS = {
@@ -64,6 +65,33 @@ def test_apply_bitmask_bit_order_runs_and_chunks():
         assert torch.equal(out[row][keep].view(torch.int32), logits[row][keep].view(torch.int32))  # -0.0 stays
         assert bool((out[row][~keep] == float("-inf")).all())
     assert finite(out[1]) == {35} and torch.equal(out[2], logits[2]) and torch.equal(out[3], logits[3])
+
+
+@pytest.mark.skipif(not build.available(), reason=f"kernels unavailable: {build.unavailable_reason()}")
+def test_the_kernel_apply_gives_the_definition_bits():
+    """torch.ops.inferlab.apply_bitmask_ (the sampler's, where the kernels run) against
+    apply_bitmask (the definition) bit for bit: whole-word, empty and mixed words, a vocabulary
+    that is not a multiple of 32 (the scalar tail), rows out of order, NaN / inf / -0.0 logits
+    (a NaN stays NaN, forbidden or not), extra bitmask words past the vocabulary."""
+    g = torch.Generator().manual_seed(1)
+    vocab = 1_000 + 7
+    logits = torch.randn(6, vocab, generator=g)
+    logits[:, ::97] = float("nan")
+    logits[:, 5::101] = float("inf")
+    logits[:, 3::89] = -0.0
+    words = (vocab + 31) // 32 + 1
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (4, words), dtype=torch.int32, generator=g)
+    bitmask[0, ::2] = -1
+    bitmask[1, 1::3] = 0
+    rows = [5, 0, 3, 2]
+    want, got = logits.clone(), logits.clone()
+    apply_bitmask(want, bitmask, rows)
+    torch.ops.inferlab.apply_bitmask_(got, bitmask, torch.tensor(rows))
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    masker = GrammarMasker(kernel=True)
+    assert masker.kernel and not GrammarMasker().kernel
+    with pytest.raises(RuntimeError, match="outside the logits"):
+        torch.ops.inferlab.apply_bitmask_(got, bitmask, torch.tensor([0, 1, 2, 6]))
 
 
 def test_apply_bitmask_refuses_what_it_cannot_mask():

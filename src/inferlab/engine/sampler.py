@@ -43,7 +43,7 @@ class Sampler:
     def __init__(self, seed: int = 0, fused: bool = False):
         self.generator = torch.Generator().manual_seed(seed)
         self.fused = fused
-        self.grammar_masks = GrammarMasker()
+        self.grammar_masks = GrammarMasker(kernel=fused)  # fused: our CPU kernels run here
 
     def __call__(self, logits: torch.Tensor, rows: list[ScheduledRequest]) -> SamplerOutput:
         """logits: float32 [N, V], one row per request in `rows`. The rows of requests with a

@@ -153,7 +153,10 @@ class GrammarMasker:
     row's bitmask filled by its matcher, then one branch-free pass per run of adjacent rows
     applies them to the logits in place. Rows without a grammar cost nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, kernel: bool = False) -> None:
+        # kernel: apply through our CPU kernels' apply_bitmask_ (the engine's backends decided
+        # they run here: the fused sampler's flag), else `apply_bitmask` below, the definition.
+        self.kernel = kernel
         self._bitmask = torch.empty((0, 0), dtype=torch.int32)
         self._scratch = np.empty((0, 0, 8), dtype=np.float32)
 
@@ -161,7 +164,11 @@ class GrammarMasker:
                  drafts: list[Sequence[int]] | None = None) -> None:
         """Set logits[rows[k], j] to -inf for every token j that grammars[k] forbids next (with
         `drafts`, see `fill`)."""
-        apply_bitmask(logits, self.fill(grammars, logits.shape[1], drafts), rows, self)
+        bitmask = self.fill(grammars, logits.shape[1], drafts)
+        if self.kernel and logits.dtype == torch.float32 and logits.is_contiguous() and logits.device.type == "cpu":
+            torch.ops.inferlab.apply_bitmask_(logits, bitmask, torch.tensor(rows, dtype=torch.long))
+        else:
+            apply_bitmask(logits, bitmask, rows, self)
 
     def fill(self, grammars: list[Grammar], vocab: int, drafts: list[Sequence[int]] | None = None) -> torch.Tensor:
         """[len(grammars), ceil(vocab / 32)] int32 bitmask, row k grammars[k]'s (a view of the
