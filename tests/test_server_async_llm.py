@@ -197,7 +197,7 @@ def test_a_reader_that_stops_reading_holds_one_merged_output():
                 assert len(stream._queue) <= 1
                 await asyncio.sleep(0.001)
             for _ in range(5000):  # the count drops before the last step's output is handed over
-                if stream._queue:
+                if stream._queue and stream._queue._items[-1].finished:
                     break
                 await asyncio.sleep(0.001)
             assert len(stream._queue) == 1
