@@ -69,13 +69,25 @@ STEP_PHASES = ("matmul", "attention", "matmul", "elementwise/other ops", "matmul
 STEP_EVENT = "inferlab::decoder_step"
 
 
-def profile_steps(llm: LLM, prompts: list[list[int]], max_tokens: int, steps: int, skip: int) -> dict[str, float]:
-    eng = llm.engine
+def start_case(eng, prompts: list[list[int]], max_tokens: int, skip: int) -> None:
+    """Add the case's requests (greedy, no prefix cache) and run its `skip` unmeasured steps."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         eng.add_request(f"prof-{time.monotonic_ns()}-{i}", p, params, RequestOptions(use_prefix_cache=False))
     for _ in range(skip):  # get past the prefill into steady decode (or stop before it)
         eng.step()
+
+
+def end_case(eng) -> None:
+    """Abort what is left of the case and let the engine drain."""
+    eng.abort_request(list(eng.output_processor.requests))
+    while eng.has_unfinished_requests():
+        eng.step()
+
+
+def profile_steps(llm: LLM, prompts: list[list[int]], max_tokens: int, steps: int, skip: int) -> dict[str, float]:
+    eng = llm.engine
+    start_case(eng, prompts, max_tokens, skip)
     wall: dict[str, float] = defaultdict(float)
     sched, proc, sampler = eng.scheduler.schedule, eng.output_processor.process, eng.runner.sampler
     eng.scheduler.schedule = Timed(sched, wall, "scheduling")
@@ -97,9 +109,7 @@ def profile_steps(llm: LLM, prompts: list[list[int]], max_tokens: int, steps: in
         phases = step_kernel.phase_seconds() if step_kernel is not None else []  # the measured steps only
         if step_kernel is not None:
             step_kernel.set_profiling(False)
-        eng.abort_request(list(eng.output_processor.requests))
-        while eng.has_unfinished_requests():
-            eng.step()
+        end_case(eng)
     ops: dict[str, float] = defaultdict(float)
     for ev in prof.key_averages():
         if ev.key == STEP_EVENT and phases:
@@ -122,18 +132,12 @@ def time_steps(llm: LLM, prompts: list[list[int]], max_tokens: int, steps: int, 
     operator (~13 ms of a 512-token prefill step, ~40 ms of a 2,048-token one) is in
     `profile_steps`' total, so the roof is held against this one."""
     eng = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        eng.add_request(f"time-{time.monotonic_ns()}-{i}", p, params, RequestOptions(use_prefix_cache=False))
-    for _ in range(skip):
-        eng.step()
+    start_case(eng, prompts, max_tokens, skip)
     t = time.perf_counter()
     for _ in range(steps):
         eng.step()
     total = time.perf_counter() - t
-    eng.abort_request(list(eng.output_processor.requests))
-    while eng.has_unfinished_requests():
-        eng.step()
+    end_case(eng)
     return total / steps
 
 
