@@ -88,8 +88,7 @@ def test_the_kernel_apply_gives_the_definition_bits():
     apply_bitmask(want, bitmask, rows)
     torch.ops.inferlab.apply_bitmask_(got, bitmask, torch.tensor(rows))
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
-    masker = GrammarMasker(kernel=True)
-    assert masker.kernel and not GrammarMasker().kernel
+    assert Sampler(fused=True).grammar_masks.kernel and not Sampler(fused=False).grammar_masks.kernel
     with pytest.raises(RuntimeError, match="outside the logits"):
         torch.ops.inferlab.apply_bitmask_(got, bitmask, torch.tensor([0, 1, 2, 6]))
 

@@ -150,8 +150,9 @@ def _clean(message: str) -> str:
 
 class GrammarMasker:
     """The sampler's per-step mask work, with its buffers kept across steps: each constrained
-    row's bitmask filled by its matcher, then one branch-free pass per run of adjacent rows
-    applies them to the logits in place. Rows without a grammar cost nothing."""
+    row's bitmask filled by its matcher, then applied to the logits in place (our kernel's
+    apply_bitmask_ where the kernels run, else one branch-free numpy pass per run of adjacent
+    rows). Rows without a grammar cost nothing."""
 
     def __init__(self, kernel: bool = False) -> None:
         # kernel: apply through our CPU kernels' apply_bitmask_ (the engine's backends decided
