@@ -10,9 +10,10 @@ would pay for structured outputs, and the mask's share of a real 32-stream decod
   the apply both ways too (the library's CPU kernel where it has one, and inferlab's branch-free
   apply, engine/structured_outputs.py's `apply_bitmask`, what the sampler runs);
 - **engine** (`--engine`): whole `engine.step()` wall times of `--streams` requests decoding on
-  the engine (the default model unless --model) without a grammar and with two that never end
-  (free letters; JSON-like punctuation, keys, strings and numbers), alternated run by run after
-  a warm-up round; the mask's cost as a share of the plain step, and the sampler's mask stage
+  the engine (the default model unless --model) without a grammar and with three that never end
+  (free letters; a JSON schema's objects, as `response_format` compiles them; a JSON-like regex
+  with strings of a custom class, llguidance's slowest masks), alternated run by run after a
+  warm-up round; the mask's cost as a share of the plain step, and the sampler's mask stage
   (fill + apply) timed on its own.
 
 Libraries alternate run by run; medians are printed. The tokenizer is the default model's
@@ -214,23 +215,34 @@ def run_once(lib: Any, hf: Any, vocab: int, streams: int, steps: int, fill: str,
 
 # Grammars whose only end is a DEL character (which no model writes), so all the streams decode
 # for the whole run, one kind of mask each: letters allow ~2/3 of the vocabulary interleaved with
-# the rest (free text); the JSON-like one alternates forced punctuation and keys (a token or two
-# allowed) with short free strings and numbers, as a JSON schema's masks do.
-ENGINE_GRAMMARS = {
-    "letters": "[a-z ]+\x7f",
-    "json-like": r'\[(\{"name": "[a-z ]{1,20}", "age": [0-9]{1,2}, "ok": (true|false)\}, )+' + "\x7f",
-}
+# the rest (free text); `json-schema` is SCHEMA's objects one after another, each through
+# llguidance's JSON-schema compiler with the server's JSON options (what `response_format`
+# gets: keys and punctuation forced, strings bounded by maxLength, enums, integer ranges); the
+# JSON-like regex mixes forced keys with strings of a custom class and bounded length,
+# `[a-z ]{1,20}`, llguidance's slowest kind of mask (its slices, precomputed token sets of JSON
+# string characters, do not cover such a class, so every count walks the token list again).
+def engine_grammars() -> dict[str, Any]:
+    """name -> the request's StructuredOutputsParams."""
+    from inferlab.engine.request import StructuredOutputsParams
+    from inferlab.engine.structured_outputs import JSON_OPTIONS
+
+    schema = json.dumps({**SCHEMA, "x-guidance": JSON_OPTIONS})
+    return {
+        "letters": StructuredOutputsParams(regex="[a-z ]+\x7f"),
+        "json-schema": StructuredOutputsParams(grammar=f'start: (obj ", ")+ "\\u007f"\nobj: %json {schema}'),
+        "json-like": StructuredOutputsParams(
+            regex=r'\[(\{"name": "[a-z ]{1,20}", "age": [0-9]{1,2}, "ok": (true|false)\}, )+' + "\x7f"),
+    }
 
 
 def engine_share(model: str | None, streams: int, tokens: int, runs: int) -> None:
     """The mask's share of a real decode step: `streams` requests decoding `tokens` tokens each on
-    the engine without a grammar and with each of ENGINE_GRAMMARS, alternated run by run (the
+    the engine without a grammar and with each of engine_grammars(), alternated run by run (the
     order reversed every other run), after one warm-up round. A step is the whole `engine.step()`
     wall time (schedule, forward pass, sampler with the mask, matchers advanced, outputs), counted
     when all `streams` requests decode in it; the figure is the median over runs of each run's
     median step. The mask stage inside the sampler (fill + apply) is timed on its own too."""
     from inferlab import LLM, SamplingParams
-    from inferlab.engine.request import StructuredOutputsParams
 
     llm = LLM(model, max_num_seqs=streams)
     engine = llm.engine
@@ -259,15 +271,16 @@ def engine_share(model: str | None, streams: int, tokens: int, runs: int) -> Non
 
     engine.runner.sampler.grammar_masks = timed_masker  # type: ignore[assignment]
     prompts = [f"Write a short story about the number {i}." for i in range(streams)]
-    names = ["plain", *ENGINE_GRAMMARS]
+    grammars = engine_grammars()
+    names = ["plain", *grammars]
     results: dict[str, list[float]] = {n: [] for n in names}
-    masks: dict[str, list[float]] = {n: [] for n in ENGINE_GRAMMARS}
+    masks: dict[str, list[float]] = {n: [] for n in grammars}
     print(f"\nengine: {streams} streams x {tokens} tokens, {runs} runs after a warm-up round", flush=True)
     for r in range(runs + 1):  # round 0 warms up (first compile, buffers, caches) and is dropped
         for name in names if r % 2 else names[::-1]:
             steps.clear()
             mask_times.clear()
-            so = StructuredOutputsParams(regex=ENGINE_GRAMMARS[name]) if name in ENGINE_GRAMMARS else None
+            so = grammars.get(name)
             params = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, seed=1, structured_outputs=so)
             outs = llm.generate(prompts, params)
             if r == 0:
@@ -283,7 +296,7 @@ def engine_share(model: str | None, streams: int, tokens: int, runs: int) -> Non
     print(f"\nengine, {streams} streams x {tokens} tokens, temperature 1, {runs} runs alternated "
           f"(median of per-run median whole steps; torch threads {torch.get_num_threads()}):")
     print(f"  plain: {plain:.2f} ms a step (runs: {', '.join(f'{x:.2f}' for x in results['plain'])})")
-    for name in ENGINE_GRAMMARS:
+    for name in grammars:
         m = statistics.median(results[name])
         print(f"  {name}: {m:.2f} ms a step (runs: {', '.join(f'{x:.2f}' for x in results[name])}): "
               f"the mask costs {m - plain:.2f} ms = {(m - plain) / plain:.1%} of the plain step; "
