@@ -3,7 +3,8 @@
 // blocks of 4 weight rows stored as float32, float16, bfloat16 or int8.
 //
 // A block of 4 weight rows is read from memory once per call, prefetched as one linear stream,
-// and re-used for every row of x: converted in registers when M <= 3, else converted once into
+// and re-used for every row of x: converted in registers by each tile of 3 rows up to
+// kDirectMaxRows rows (the tiles after the first re-read it from L1), else converted once into
 // a small float32 buffer in L1 that an fp32 micro-kernel (3 rows of x by 4 rows of W, 12
 // accumulators) re-reads.
 #pragma once
@@ -26,6 +27,14 @@ using namespace inferlab_simd;  // load8, to_float, hsum
 
 constexpr int kRowsW = 4;  // weight rows per block (one horizontal reduction handles 4 sums)
 constexpr int kRowsX = 3;  // rows of x per micro-kernel call: 3 x 4 = 12 of the 16 ymm registers
+// Up to this many rows of x the weights are read and widened in registers by each row tile (a
+// block of 4 weight rows is re-read from L1 by the tiles after the first); from more rows on,
+// widened once into an L1 buffer the tiles share. Why 8 and not kRowsX: speculative decoding's
+// verification runs 1 + K rows (5 at K = 4) and small batches 4-8, and through the buffer 4-8
+// rows cost 1.3-1.9x a 1-row step, against 1.1-1.5x read directly (the avx2 variant, SmolLM2's
+// float16 weights, 2 threads, medians of 3 alternated, on a Zen 5 host: the step at 4 / 5 / 8
+// rows 13.1 / 14.9 / 19.6 ms -> 10.9 / 12.8 / 15.3 ms; at 12-16 rows the two are even).
+constexpr int kDirectMaxRows = 8;
 // How far ahead of the reads the weight stream is prefetched. A block's rows are contiguous and
 // consecutive blocks too, so the stream is linear: measured on one core of this EPYC, 4 KiB ahead
 // took int8 from 6.4 to 14 GB/s and float16 from 11 to 13 GB/s (the hardware prefetcher alone
@@ -104,10 +113,12 @@ inline void convert_rows(const T* w, int64_t rows, int64_t K, const float* scale
 }
 
 // out[i * kRowsW + j] = dot(x row i, w row j) over K, for the M rows of x (row stride K) and
-// nb <= kRowsW rows of w (row stride K). buf: kRowsW * K floats of scratch, used when M > kRowsX.
+// nb <= kRowsW rows of w (row stride K). buf: kRowsW * K floats of scratch, used from
+// kDirectMaxRows + 1 rows on (float32 weights: kRowsX + 1).
 template <typename T>
 inline void block_dots(const float* x, int64_t M, int64_t K, const T* w, int nb, float* buf, float* out) {
-  const bool convert = M > kRowsX;  // float32 weights too: the copy streams them with prefetch
+  // Float32 weights are copied from 4 rows on: the copy streams them with prefetch, dot_tile does not.
+  const bool convert = M > (std::is_same_v<T, float> ? kRowsX : kDirectMaxRows);
   if (convert) convert_rows(w, nb, K, nullptr, buf);
   auto rows = [&](auto wp) {
     using W = std::remove_cv_t<std::remove_pointer_t<decltype(wp)>>;
