@@ -49,12 +49,14 @@ def _generate(path, monkeypatch, use_step: bool, weight_dtype: str, n_prompts: i
 
 
 W8A8 = pytest.param("w8a8", 5, marks=pytest.mark.skipif(
-    not build.kernel_info().int8_dot, reason=f"w8a8 needs AVX512_VNNI; this process has {build.kernel_info().variant}"))
+    not build.kernel_info().int8_dot,
+    reason=f"w8a8 needs the kernels' integer dot product (AVX2 or AVX512_VNNI); this process has "
+           f"{build.kernel_info().variant}"))
 
 
 # 1 and 2 rows: the norm computed by every thread, x rows read in registers; 7: the shared norm,
 # weight blocks converted to float32 first; 40: many 3-row micro-kernel tiles and a remainder;
-# w8a8 at 5: one 4-row vpdpbusd tile and a 1-row one.
+# w8a8 at 5: one 4-row vpdpbusd tile and a 1-row one (avx512), five 1-row vpmaddubsw tiles (avx2).
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("weight_dtype,n_prompts", [("float32", 1), ("float16", 2), ("int8", 7), ("bfloat16", 40), W8A8])
 def test_decode_step_gives_the_per_operator_tokens_and_logprobs(models, monkeypatch, arch, weight_dtype, n_prompts):

@@ -4,6 +4,11 @@ dtype "auto" resolves to, and the engine with 16-bit weights against its float32
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +16,14 @@ import torch.nn.functional as F
 from inferlab import LLM, SamplingParams
 from inferlab.config import CacheConfig, LoadConfig
 from inferlab.kernels import build
-from inferlab.kernels.linear import MKL_MIN_ROWS, DenseLinear, WeightOnlyLinear, make_linear, quantize_int8
+from inferlab.kernels.linear import (
+    MKL_MIN_ROWS,
+    DenseLinear,
+    WeightOnlyLinear,
+    int8_group_corrections,
+    make_linear,
+    quantize_int8,
+)
 from inferlab.models.precision import resolve_precision
 from inferlab.models.testing import make_tiny_hf_model
 
@@ -328,37 +340,131 @@ def test_bf16_products_are_bf16_x_times_bf16_w_in_float32(m):
     assert 1e-6 < rel < 2.0**-7  # x really was rounded (a float32 product is ~1e-7), and no worse than that
 
 
-@pytest.mark.skipif(not build.kernel_info().int8_dot,
-                    reason=f"needs AVX512_VNNI (the avx512 kernel variant); this process has {build.kernel_info().variant}")
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 32, 127])
-@pytest.mark.parametrize("k", [45, 576, 600])
+needs_int8_dot = pytest.mark.skipif(
+    not build.kernel_info().int8_dot,
+    reason=f"w8a8 needs our kernels' integer dot product (AVX2 vpmaddubsw or AVX512_VNNI vpdpbusd); "
+           f"this process has none ({build.unavailable_reason() or build.kernel_info().variant})")
+W8A8_CASES = [(m, k) for k in (45, 576, 600) for m in (1, 3, 4, 5, 32, 127)]  # K: a tail group, whole groups, both
+
+
+def w8a8_reference(x: torch.Tensor, lin: WeightOnlyLinear, dot: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """What w8a8 computes, in float64: x quantized per group of 64 exactly as the kernels do
+    (float32 s = max|x_g| / 127 and 127 / max|x_g|, q = round half to even of x * that), each
+    group's integer sum dot_g(q, codes) exact, y = sum_g dot_g * s_g * row scale + bias; and the
+    bound on the float32 rounding after the integer sums, 2^-20 of what the kernel rounds: its
+    int32 lanes (partial sums of q * w: at most sum |q| |w| per group) times s_g, and with `dot`
+    vpdpbusd also 128 x the codes in them (x stored as q + 128, then -128 x the group's codes),
+    summed over groups, scaled, biased. A q one step off moves y by s_g |w| (a few times the
+    bound or more); float32 products instead of the integer path, by ~1e-2 of y."""
+    m, k = x.shape
+    n, groups = lin.weight.shape[0], -(-k // 64)
+    xg = F.pad(x, (0, groups * 64 - k)).view(m, groups, 64)
+    amax = xg.abs().amax(-1)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    q = torch.round(xg * inv[..., None]).double()
+    codes = F.pad(lin.weight, (0, groups * 64 - k)).view(n, groups, 64).double()
+    s = (amax / 127).double()[:, None, :] * lin.scale.double()[None, :, None]  # [m, n, groups]
+    y = (torch.einsum("mgc,ngc->mng", q, codes) * s).sum(-1)
+    lanes = torch.einsum("mgc,ngc->mng", q.abs(), codes.abs())
+    if dot == "vpdpbusd":
+        lanes = lanes + 256 * codes.abs().sum(-1)[None]
+    bias = lin.bias.double() if lin.bias is not None else torch.zeros(n, dtype=torch.float64)
+    return y + bias, 2.0**-20 * ((lanes * s).sum(-1) + (y + bias).abs()) + 1e-30
+
+
+def w8a8_outputs(expect_variant: str = "") -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]:
+    """Each W8A8_CASES product on this process's kernels, checked against w8a8_reference; the
+    outputs and their bounds, for a comparison with the other variant's (run in-process or in a
+    child process given another INFERLAB_KERNELS)."""
+    kernel = build.kernel_info()
+    if expect_variant:
+        assert kernel.variant == expect_variant, kernel
+    out = {}
+    for m, k in W8A8_CASES:
+        n = 37  # not a multiple of the 4-row blocks
+        bias = torch.randn(n, generator=torch.Generator().manual_seed(k))
+        lin = WeightOnlyLinear(_weight(n, k), torch.int8, bias, int8_activations=True)
+        assert lin.int8_x
+        # vpdpbusd's corrections where it runs; the sign trick (vpmaddubsw) has none to compute
+        want_sums = (n, -(-k // 64)) if kernel.int8_dot == "vpdpbusd" else None
+        assert (None if lin.row_sums is None else tuple(lin.row_sums.shape)) == want_sums
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m))
+        x[:, 1] *= 30  # an outlier channel: its group's scale is coarse, the others' are not
+        want, bound = w8a8_reference(x, lin, kernel.int8_dot)
+        y = lin(x)
+        err = (y.double() - want).abs()
+        assert bool((err <= bound).all()), (m, k, kernel.variant, float((err / bound).max()))
+        out[(m, k)] = y, bound
+    return out
+
+
+@needs_int8_dot
+@pytest.mark.parametrize("m, k", W8A8_CASES)
 def test_w8a8_is_int8_x_per_64_values_times_the_codes(m, k):
-    """vpdpbusd (weight_dtype w8a8): x quantized per group of 64 values (symmetric, round half
-    to even), the integer sums exact, then the scales; against that math in float64."""
+    """weight_dtype w8a8, on this process's variant (vpdpbusd on avx512, vpmaddubsw's sign trick
+    on avx2): x quantized per group of 64 values (symmetric, round half to even), each group's
+    integer sum exact, then the scales; against that math in float64, to float32's rounding."""
     n = 37
     lin = WeightOnlyLinear(_weight(n, k), torch.int8, torch.randn(n), int8_activations=True)
-    assert lin.row_sums is not None and lin.row_sums.shape == (n, -(-k // 64))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m))
-    groups = -(-k // 64)
-    xg = F.pad(x, (0, groups * 64 - k)).view(m, groups, 64)
-    amax = xg.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))  # float32, as the kernel computes it
-    xq = (torch.round(xg * inv) * (amax / 127)).view(m, -1)[:, :k]
-    want = xq.double() @ lin.dequantized(torch.float64).T + lin.bias.double()
-    bound = 1e-5 * (xq.double().abs() @ lin.dequantized(torch.float64).abs().T) + 1e-6
+    want, bound = w8a8_reference(x, lin, build.kernel_info().int8_dot)
     y = lin(x)
     assert bool(((y.double() - want).abs() <= bound).all())
     plain = WeightOnlyLinear(_weight(n, k), torch.int8, torch.randn(n))  # weight-only int8
-    assert plain.row_sums is None
+    assert plain.row_sums is None and not plain.int8_x
     assert float((plain(x) - lin(x)).abs().max()) > 1e-6  # the two modes really differ
 
 
-def test_w8a8_needs_vnni_and_says_what_this_machine_has(monkeypatch):
-    _variant(monkeypatch, "avx2")
-    with pytest.raises(ValueError, match=r"w8a8 needs .*\(VNNI\).*kernels are avx2: use one of auto, float32, bfloat16, float16, int8, int4$"):
+def _variant_in_child(variant: str, code: str) -> None:
+    env = {**os.environ, "INFERLAB_KERNELS": variant}
+    proc = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                           + code], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@needs_int8_dot
+def test_w8a8_gives_the_same_results_on_both_variants(tmp_path):
+    """avx2 (vpmaddubsw) and avx512 (vpdpbusd) compute the same integer group sums, so their
+    outputs differ by float32's rounding of the scaled sums only; each is also checked against
+    the float64 reference. The variant this process did not load runs in a child process."""
+    missing = {v: sorted(set(build.VARIANTS[v][0]) - build.cpu_flags()) for v in ("avx512", "avx2")}
+    if any(missing.values()):
+        pytest.skip("this CPU lacks " + "; ".join(f"{', '.join(f)} ({v})" for v, f in missing.items() if f))
+    mine = build.kernel_info().variant
+    other = "avx2" if mine == "avx512" else "avx512"
+    _variant_in_child(other, f"import torch, test_kernels_linear as t; "
+                             f"torch.save(t.w8a8_outputs({other!r}), {str(tmp_path / 'y.pt')!r})")
+    theirs = torch.load(tmp_path / "y.pt")
+    ours = w8a8_outputs(mine)
+    assert ours.keys() == theirs.keys()
+    for case, (y, bound) in ours.items():
+        diff = (y.double() - theirs[case][0].double()).abs()
+        assert bool((diff <= bound + theirs[case][1]).all()), (case, float((diff / bound).max()))
+
+
+@needs_kernels
+def test_linear_w8_takes_row_sums_exactly_where_vpdpbusd_needs_them():
+    lin = WeightOnlyLinear(_weight(8, 130), torch.int8, None, int8_activations=True)
+    x, ops = torch.randn(2, 130), torch.ops.inferlab
+    sums = int8_group_corrections(lin.weight)
+    with pytest.raises(RuntimeError, match="int8_x is off"):
+        ops.linear_w8(x, lin.weight, lin.scale, None, MKL_MIN_ROWS, sums, False)
+    if build.kernel_info().int8_dot == "vpdpbusd":
+        with pytest.raises(RuntimeError, match="needs row_sums"):
+            ops.linear_w8(x, lin.weight, lin.scale, None, MKL_MIN_ROWS, None, True)
+    else:
+        with pytest.raises(RuntimeError, match="takes none"):
+            ops.linear_w8(x, lin.weight, lin.scale, None, MKL_MIN_ROWS, sums, True)
+
+
+def test_w8a8_needs_our_kernels_and_says_what_this_machine_has(monkeypatch):
+    _variant(monkeypatch, "none")
+    with pytest.raises(ValueError, match=r"w8a8 needs .*integer dot product.*kernels are none: "
+                                         r"use one of auto, float32, bfloat16, float16, int8, int4$"):
         resolve_precision(LoadConfig(weight_dtype="w8a8"))
-    _variant(monkeypatch, "avx512")
-    assert resolve_precision(LoadConfig(weight_dtype="w8a8")).weights == torch.int8
+    for variant in ("avx2", "avx512"):
+        _variant(monkeypatch, variant)
+        assert resolve_precision(LoadConfig(weight_dtype="w8a8")).weights == torch.int8
     with pytest.raises(ValueError, match="needs int8 weights"):
         WeightOnlyLinear(_weight(4, 8), torch.float16, int8_activations=True)
 

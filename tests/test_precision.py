@@ -147,8 +147,8 @@ def test_the_engine_resolves_once_and_passes_the_one_object_down(tiny, monkeypat
 
 
 def test_a_pair_the_machine_cannot_run_is_refused_before_loading(tiny, monkeypatch):
-    """w8a8 without VNNI fails at resolution, before any weight is read."""
-    monkeypatch.setattr(build, "kernel_info", lambda: build.KernelInfo("avx2", ()))
+    """w8a8 without our kernels fails at resolution, before any weight is read."""
+    monkeypatch.setattr(build, "kernel_info", lambda: build.KernelInfo("none", (), "off in this test"))
     loaded: list[object] = []
     monkeypatch.setattr(llm_engine, "load_model", lambda *a, **kw: loaded.append(a))
     with pytest.raises(ValueError, match="w8a8 needs"):

@@ -21,7 +21,7 @@ class LLM:
     weight_dtype is how the linear layers' weights are stored: "auto" is float16 when dtype
     "auto" resolved to float32 on the CPU and our kernels load (half the bytes a decode step
     reads), else the compute dtype; or "float32" | "bfloat16" | "float16" | "int8" | "w8a8"
-    (int8 weights and int8 activations, integer dot products: where the CPU has VNNI).
+    (int8 weights and int8 activations, integer dot products: where our kernels load).
     kv_cache_dtype is how K and V are stored: "auto" is float16 where "auto" weights are, else
     the compute dtype; or "float32" | "bfloat16" | "float16" | "int8" (codes with one float32
     scale per token and KV head: ~1.9x float16's tokens in the same memory). Every other engine

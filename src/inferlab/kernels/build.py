@@ -11,7 +11,8 @@ torch's libgomp is the one already loaded; a second OpenMP runtime would fight i
 One decision per machine, made once from the CPU's flags (/proc/cpuinfo) and frozen in
 `kernel_info()`: the AVX-512 variant (F/BW/VL/DQ + BF16 + VNNI: bf16 weights multiplied with
 vdpbf16ps, int8 with vpdpbusd) where every one of those flags is there, else the AVX2 variant
-(AVX2 + FMA + F16C; the same flags and code as before the AVX-512 variant existed), else none
+(AVX2 + FMA + F16C; the same flags and code as before the AVX-512 variant existed, int8 x int8
+with vpmaddubsw), else none
 (plain torch operators). `INFERLAB_KERNELS` overrides it: 0 turns the kernels off, avx2 asks for
 the AVX2 variant on any CPU that has it (A/B runs on an AVX-512 machine), avx512 for the
 AVX-512 one; a variant the CPU lacks, or an unknown value, is a one-line error.
@@ -63,7 +64,8 @@ class KernelInfo:
     variant: "avx512", "avx2" or "none" (plain torch). reason: why "none" (or why not the best
     variant), empty otherwise. bf16_dot: the decode kernels multiply bf16 weights with
     vdpbf16ps (activations rounded to bf16 per row, float32 sums). int8_dot: the integer dot
-    product int8 weights use ("vpdpbusd"), or "" for int8 converted to float32 in registers.
+    product that int8 weights with int8 activations (weight_dtype w8a8) and int4 weights run on,
+    "vpdpbusd" (VNNI) or "vpmaddubsw" (AVX2's sign trick), or "" (no kernels: no w8a8).
     auto_weight_dtype: what weight_dtype "auto" stores when compute is float32 ("bfloat16",
     "float16", or "" for none: the compute dtype).
     """
@@ -84,7 +86,7 @@ class KernelInfo:
 
     @property
     def int8_dot(self) -> str:
-        return "vpdpbusd" if self.variant == "avx512" else ""
+        return {"avx512": "vpdpbusd", "avx2": "vpmaddubsw"}.get(self.variant, "")
 
     @property
     def auto_weight_dtype(self) -> str:
@@ -95,7 +97,7 @@ class KernelInfo:
         if not self.available:
             return f"inferlab CPU kernels: none ({self.reason}); plain torch operators"
         path = ("bf16 weights with vdpbf16ps in the decode step, oneDNN bf16 for prefill; int8 with vpdpbusd"
-                if self.bf16_dot else "float16 / int8 weights converted in registers, float32 FMA")
+                if self.bf16_dot else "float16 / int8 weights converted in registers, float32 FMA; w8a8 with vpmaddubsw")
         extra = f" ({self.reason})" if self.reason else ""
         return f"inferlab CPU kernels: {self.variant}{extra}: {path}; CPU has {' '.join(self.cpu_flags) or '?'}"
 

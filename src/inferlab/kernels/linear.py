@@ -48,7 +48,7 @@ MKL_MIN_ROWS = 128
 INT8_BF16_MIN_ROWS = 4
 
 _FP16_MAX = torch.finfo(torch.float16).max
-INT8_GROUP = 64  # x values per int8 scale on the vpdpbusd path (csrc/matvec.h's kI8Group)
+INT8_GROUP = 64  # x values per int8 scale on the w8a8 path (csrc/matvec.h's kI8Group)
 
 
 def int8_group_corrections(q: torch.Tensor) -> torch.Tensor:
@@ -167,13 +167,16 @@ class WeightOnlyLinear:
         # From MKL_MIN_ROWS rows on, bf16 and int8 weights (the latter as bf16 codes x scales)
         # go to oneDNN's bf16 GEMM there: x and the output rounded to bf16.
         self.bf16_gemm = stored_dtype in (torch.bfloat16, torch.int8) and kernel.bf16_dot
-        # int8 on VNNI (vpdpbusd): below MKL_MIN_ROWS rows, x is quantized to int8 per group of
-        # INT8_GROUP values (symmetric) and the integer dot product runs on the stored codes;
-        # -128 x the weight's group sums, computed here once, undo vpdpbusd's unsigned offset.
+        # w8a8 (`int8_x`): below MKL_MIN_ROWS rows, x is quantized to int8 per group of
+        # INT8_GROUP values (symmetric) and the integer dot product (kernel.int8_dot) runs on the
+        # stored codes. vpdpbusd (avx512) takes x as unsigned bytes: -128 x the weight's group
+        # sums (`row_sums`), computed here once, undo that offset; vpmaddubsw's sign trick
+        # (avx2) needs none, so there they are never computed.
         self.row_sums: torch.Tensor | None = None
         if int8_activations and stored_dtype != torch.int8:
             raise ValueError("int8_activations needs int8 weights")
-        if int8_activations and kernel.int8_dot:
+        self.int8_x = int8_activations and bool(kernel.int8_dot)
+        if self.int8_x and kernel.int8_dot == "vpdpbusd":
             self.row_sums = int8_group_corrections(self.weight)
 
     @property
@@ -183,7 +186,7 @@ class WeightOnlyLinear:
         avx512 variant, MKL_MIN_ROWS where only the oneDNN GEMM does."""
         if self.bf16_products:
             return 1
-        if self.row_sums is None and self.scale is not None and self.bf16_gemm:
+        if not self.int8_x and self.scale is not None and self.bf16_gemm:
             return INT8_BF16_MIN_ROWS
         return MKL_MIN_ROWS if self.bf16_gemm else None
 
@@ -206,7 +209,7 @@ class WeightOnlyLinear:
     def product(self, x: torch.Tensor) -> torch.Tensor:
         ops = torch.ops.inferlab
         if self.scale is not None:
-            return ops.linear_w8(x, self.weight, self.scale, self.bias, MKL_MIN_ROWS, self.row_sums)
+            return ops.linear_w8(x, self.weight, self.scale, self.bias, MKL_MIN_ROWS, self.row_sums, self.int8_x)
         return ops.linear_w16(x, self.weight, self.bias, MKL_MIN_ROWS)
 
     def product_bf16(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -277,6 +280,7 @@ class Int4Linear(WeightOnlyLinear):
         self.bf16_products = False
         self.bf16_gemm = kernel.bf16_dot
         self.row_sums = None
+        self.int8_x = False
 
     @property
     def bf16_x_min_rows(self) -> int | None:

@@ -63,7 +63,7 @@ class DecoderModel:
         self.precision = precision
         self.backends = backends or select_backends(precision, config)
         dtype = precision.compute
-        self.int8_activations = precision.int8_activations  # x quantized per 64 values for vpdpbusd (kernels/linear.py)
+        self.int8_activations = precision.int8_activations  # x quantized per 64 values, integer dots (kernels/linear.py)
         self.dtype = dtype
         self.weight_dtype = precision.weights
         c = config
@@ -164,10 +164,9 @@ class DecoderModel:
         elif e.use_kernels and self.dtype == torch.float32 and e.weight.device.type == "cpu":
             how = f"our {kernel.variant} kernels"
             if self.int8_activations:
-                how += ", x quantized to int8 per 64 values, vpdpbusd"
+                how += f", x quantized to int8 per 64 values, {kernel.int8_dot}"
             elif isinstance(e, Int4Linear):
-                dot = "vpdpbusd" if kernel.int8_dot else "vpmaddubsw"
-                how += f", 4-bit codes x int8 x per 32 values, {dot}"
+                how += f", 4-bit codes x int8 x per 32 values, {kernel.int8_dot}"
                 if not isinstance(self.lm_head, Int4Linear):
                     how += "; embedding / lm_head int8 weight-only"
             elif getattr(e, "bf16_products", False):

@@ -87,7 +87,7 @@ def resolve_precision(
     native_bf16: bool | None = None,
 ) -> ResolvedPrecision:
     """The precision `load` and `cache` ask for on this machine; ValueError for a pair it cannot
-    run (w8a8 without VNNI, weights wider than the compute dtype).
+    run (w8a8 without our kernels' integer dot product, weights wider than the compute dtype).
 
     `kernel` (default: this process's, built on first use, so the compile happens at start-up and
     never under a request) and `native_bf16` (default: what oneDNN reports, asked only when it
@@ -146,7 +146,7 @@ def resolve_precision(
         weight_mode = load.weight_dtype
     if weight_mode == "w8a8" and not kernel.int8_dot:
         have = [w for w in WEIGHT_DTYPES if w != "w8a8"]
-        raise ValueError(f"weight_dtype w8a8 needs the integer dot product of the avx512 kernel variant (VNNI); "
+        raise ValueError(f"weight_dtype w8a8 needs the integer dot product of our kernels (avx512 or avx2 variant); "
                          f"this machine's kernels are {kernel.variant}: use one of {', '.join(have)}")
     weights = _WEIGHT_DTYPES[weight_mode]  # a name LoadConfig has checked
     if weights.itemsize > compute.itemsize:

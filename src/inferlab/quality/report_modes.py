@@ -3,7 +3,7 @@
 The modes come from config.py's WEIGHT_DTYPES and KV_CACHE_DTYPES (every entry but "auto"), so
 a mode added there is in the report without an edit here. Whether this machine runs one is the
 engine's answer (models/precision.py resolve_precision raises ValueError with the reason, e.g.
-w8a8 without VNNI), not a rule copied here. Two rows that resolve to the same
+w8a8 without our kernels), not a rule copied here. Two rows that resolve to the same
 stored types (the K/V-float16 row with default weights is the weights-bfloat16 row on AVX-512)
 are measured once; the second is reported as the same as the first.
 """

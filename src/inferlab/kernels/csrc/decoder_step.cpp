@@ -23,8 +23,9 @@
 //
 // torch.classes.inferlab.DecoderStep(layer_tensors, final_norm, cos, sin, k_caches, v_caches,
 //                                    [H, kvH, D, block_size(, int8_activations)], eps, attn_scale)
-//   int8_activations (default 0): int8 weights multiply x quantized per 64 values with vpdpbusd
-//     (the AVX-512 variant; matvec.h's row_products_i8), else float32 products of the codes.
+//   int8_activations (default 0): int8 weights multiply x quantized per 64 values by the integer
+//     dot product (matvec.h's row_products_i8: vpdpbusd on AVX-512, vpmaddubsw on AVX2), else
+//     float32 products of the codes.
 //   layer_tensors: 13 per layer, in order: input_norm, qkv_w, qkv_scale, qkv_bias, q_norm, k_norm,
 //     o_w, o_scale, post_norm, gate_up_w, gate_up_scale, down_w, down_scale; an empty tensor
 //     (numel 0) for one the model does not have. Weights: one dtype for all (float32, float16,
@@ -72,7 +73,8 @@ struct Linear {
   at::Tensor w, scale_t, bias_t, wsum_t;  // scale / bias undefined when absent; wsum: int8 with vpdpbusd
   const float* scale = nullptr;
   const float* bias = nullptr;
-  const int32_t* wsum = nullptr;  // int8 weights' group corrections (the AVX-512 variant), computed once here
+  bool int8_x = false;            // int8 weights times x quantized per 64 values (row_products_i8)
+  const int32_t* wsum = nullptr;  // their group corrections where kI8Corrections (vpdpbusd), computed once here
   const uint16_t* dm = nullptr;   // 4-bit weights' float16 (d, m) pairs (w is then uint8 codes)
   int64_t n = 0, k = 0;
 };
@@ -256,7 +258,7 @@ class DecoderStep : public torch::CustomClassHolder {
                       "DecoderStep: ", name, " must be a contiguous float32 CPU tensor");
   }
 
-  // int8_x: int8 weights multiply x quantized per 64 values with vpdpbusd (weight_dtype w8a8).
+  // int8_x: int8 weights multiply x quantized per 64 values, integer products (weight_dtype w8a8).
   static Linear linear(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& bias, int64_t n, int64_t k,
                        const char* name, bool int8_x) {
     const auto dt = w.scalar_type();
@@ -280,14 +282,11 @@ class DecoderStep : public torch::CustomClassHolder {
     }
     lin.scale = lin.scale_t.defined() ? lin.scale_t.data_ptr<float>() : nullptr;
     lin.bias = lin.bias_t.defined() ? lin.bias_t.data_ptr<float>() : nullptr;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-    if (dt == at::kChar && int8_x) {  // once, at set-up: vpdpbusd's offset correction (matvec.h)
+    lin.int8_x = dt == at::kChar && int8_x;
+    if (lin.int8_x && kI8Corrections) {  // once, at set-up: vpdpbusd's offset correction (matvec.h)
       lin.wsum_t = i8_group_corrections(w);
       lin.wsum = lin.wsum_t.data_ptr<int32_t>();
     }
-#else
-    TORCH_CHECK_VALUE(!int8_x, "DecoderStep: int8 activations need the AVX-512 VNNI kernel variant");
-#endif
     return lin;
   }
 
@@ -331,14 +330,12 @@ class DecoderStep : public torch::CustomClassHolder {
       inferlab_q4::quantize_x(in, m, lin.k, wk.q4x);
       inferlab_q4::row_products_q4(wk.q4x, lin.w.data_ptr<uint8_t>(), lin.dm, r0, rows, lin.bias, y, ldy);
     } else {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
       if constexpr (std::is_same_v<T, int8_t>) {
-        if (lin.wsum) {
+        if (lin.int8_x) {
           row_products_i8(in, m, lin.k, lin.w.data_ptr<int8_t>(), lin.wsum, r0, rows, lin.scale, lin.bias, y, ldy);
           return;
         }
       }
-#endif
       row_products(in, m, lin.k, lin.w.data_ptr<T>(), r0, rows, lin.scale, lin.bias, wk.buf.data(), wk.dots.data(),
                    y, ldy);
     }

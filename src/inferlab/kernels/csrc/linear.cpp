@@ -19,11 +19,13 @@
 //   linear_w16(Tensor x, Tensor w, Tensor? bias=None, int mkl_min_rows=128) -> Tensor
 //       w: float16 or bfloat16 [N, K]
 //   linear_w8(Tensor x, Tensor w, Tensor scale, Tensor? bias=None, int mkl_min_rows=128,
-//             Tensor? row_sums=None) -> Tensor
-//       w: int8 [N, K], scale: float32 [N]; y = (x @ w^T) * scale (+ bias). row_sums (int32
-//       [N, ceil(K / 64)]: -128 x w's sums per group of 64, int8_group_corrections): on the AVX-512
-//       variant, below mkl_min_rows rows, x is quantized per group of 64 to int8 and multiplied
-//       with vpdpbusd (matvec.h); without it (or on AVX2) float32 products.
+//             Tensor? row_sums=None, bool int8_x=False) -> Tensor
+//       w: int8 [N, K], codes in [-127, 127], scale: float32 [N]; y = (x @ w^T) * scale (+ bias).
+//       int8_x (weight_dtype w8a8): below mkl_min_rows rows, x is quantized per group of 64 to
+//       int8 and the integer dot product runs on the codes (matvec.h's row_products_i8:
+//       vpdpbusd on AVX-512, vpmaddubsw on AVX2); else float32 products. row_sums: given exactly
+//       when int8_x on the AVX-512 variant (int32 [N, ceil(K / 64)]: -128 x w's sums per group of
+//       64, int8_group_corrections, vpdpbusd's offset); the AVX2 variant needs none.
 //   linear_w4(Tensor x, Tensor codes, Tensor dm, Tensor? bias=None, int mkl_min_rows=128) -> Tensor
 //       4-bit group-wise weights (q4.h's format): codes uint8 [N, K / 2], dm float16 [N, K / 32, 2].
 //       Below mkl_min_rows rows x is quantized per group of 32 to int8 and the integer dot
@@ -67,19 +69,18 @@ void for_block_chunks(int64_t blocks, const F& fn) {
   });
 }
 
-// The decode path: y = x @ w^T (* scale) (+ bias) with our micro-kernel; wsum (int8 weights'
-// group corrections, given only on the AVX-512 variant) takes int8 to vpdpbusd.
+// The decode path: y = x @ w^T (* scale) (+ bias) with our micro-kernel; int8_x takes int8 weights
+// to the integer dot product (row_products_i8, with wsum, their group corrections, where
+// kI8Corrections).
 template <typename T>
 void small_m(const float* x, int64_t M, int64_t K, const T* w, int64_t N, const float* scale, const float* bias,
-             float* y, const int32_t* wsum = nullptr) {
+             float* y, bool int8_x = false, const int32_t* wsum = nullptr) {
   const int64_t blocks = (N + kRowsW - 1) / kRowsW;
   auto run = [&](int64_t b0, int64_t b1, std::vector<float>& buf, std::vector<float>& out) {
     const int64_t n0 = b0 * kRowsW, n1 = std::min(N, b1 * kRowsW);
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
     if constexpr (std::is_same_v<T, int8_t>) {
-      if (wsum) return row_products_i8(x, M, K, w, wsum, n0, n1 - n0, scale, bias, y + n0, N);
+      if (int8_x) return row_products_i8(x, M, K, w, wsum, n0, n1 - n0, scale, bias, y + n0, N);
     }
-#endif
     row_products(x, M, K, w, n0, n1 - n0, scale, bias, buf.data(), out.data(), y + n0, N);
   };
   for_block_chunks(blocks, [&](int64_t b0, int64_t b1) {
@@ -153,7 +154,7 @@ void large_m(const at::Tensor& x2, const T* w, int64_t N, int64_t K, const float
 }
 
 at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale,
-                       const std::optional<at::Tensor>& bias, int64_t mkl_min_rows,
+                       const std::optional<at::Tensor>& bias, int64_t mkl_min_rows, bool int8_x = false,
                        const int32_t* wsum = nullptr) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "inferlab linear: x must be float32, got ", x.scalar_type());
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "inferlab linear: w must be a contiguous [N, K] matrix");
@@ -215,7 +216,8 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, const std::opti
       })
       AT_DISPATCH_CASE(at::kChar, [&] {
         if (big) large_m(x2, w.data_ptr<int8_t>(), N, K, scale_p, bias, y);
-        else small_m(x2.data_ptr<float>(), M, K, w.data_ptr<int8_t>(), N, scale_p, bias_p, y.data_ptr<float>(), wsum);
+        else small_m(x2.data_ptr<float>(), M, K, w.data_ptr<int8_t>(), N, scale_p, bias_p, y.data_ptr<float>(), int8_x,
+                     wsum);
       })
     );
   }
@@ -231,19 +233,20 @@ at::Tensor linear_w16(const at::Tensor& x, const at::Tensor& w, const std::optio
 
 at::Tensor linear_w8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                      const std::optional<at::Tensor>& bias, int64_t mkl_min_rows,
-                     const std::optional<at::Tensor>& row_sums) {
+                     const std::optional<at::Tensor>& row_sums, bool int8_x) {
   TORCH_CHECK(w.scalar_type() == at::kChar, "inferlab linear_w8: w must be int8, got ", w.scalar_type());
   const int32_t* wsum = nullptr;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-  if (row_sums.has_value()) {
-    TORCH_CHECK(row_sums->scalar_type() == at::kInt && row_sums->is_contiguous() &&
+  if (int8_x && kI8Corrections) {
+    TORCH_CHECK(row_sums.has_value() && row_sums->scalar_type() == at::kInt && row_sums->is_contiguous() &&
                     row_sums->numel() == w.size(0) * i8_groups(w.size(1)),
-                "inferlab linear_w8: row_sums must be contiguous int32 [", w.size(0), ", ", i8_groups(w.size(1)),
-                "] (i8_group_corrections)");
+                "inferlab linear_w8: int8_x on this variant (vpdpbusd) needs row_sums, contiguous int32 [",
+                w.size(0), ", ", i8_groups(w.size(1)), "] (i8_group_corrections)");
     wsum = row_sums->data_ptr<int32_t>();
+  } else {
+    TORCH_CHECK(!row_sums.has_value(), "inferlab linear_w8: row_sums are vpdpbusd's corrections for int8_x; ",
+                int8_x ? "this variant (vpmaddubsw) takes none" : "int8_x is off");
   }
-#endif
-  return linear_impl(x, w, scale, bias, mkl_min_rows, wsum);
+  return linear_impl(x, w, scale, bias, mkl_min_rows, int8_x, wsum);
 }
 
 at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& dm,
@@ -281,7 +284,7 @@ at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 TORCH_LIBRARY_FRAGMENT(inferlab, m) {
   m.def("linear_w16(Tensor x, Tensor w, Tensor? bias=None, int mkl_min_rows=128) -> Tensor");
   m.def("linear_w8(Tensor x, Tensor w, Tensor scale, Tensor? bias=None, int mkl_min_rows=128, "
-        "Tensor? row_sums=None) -> Tensor");
+        "Tensor? row_sums=None, bool int8_x=False) -> Tensor");
   m.def("linear_w4(Tensor x, Tensor codes, Tensor dm, Tensor? bias=None, int mkl_min_rows=128) -> Tensor");
 }
 

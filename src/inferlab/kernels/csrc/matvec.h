@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -332,22 +333,40 @@ inline void row_products(const float* x, int64_t M, int64_t K, const int8_t* w, 
 }
 #endif  // __AVX512BF16__
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-// ---- int8 weights with vpdpbusd (the AVX-512 variant) --------------------------------------
+// ---- int8 weights x int8 activations (weight_dtype w8a8) -----------------------------------
 // Why: int8 weights are a quarter of float32's bytes, and converting them to float32 in
-// registers (above) costs 3 instructions per 8 products; vpdpbusd does 64 per instruction.
-// x is quantized on the fly in groups of 64 values (one vpdpbusd's worth), symmetric:
-// s = max|x_group| / 127, q = round(x / s) in [-127, 127]. Per group, not per row: one scale
-// per row let an outlier channel crush the rest, and on SmolLM2 greedy tokens parted from
-// float32's within 1-2 tokens on 3 of 4 prompts. vpdpbusd multiplies unsigned by signed bytes,
-// so x is stored as u = q + 128, and dot(u, w) = dot(q, w) + 128 * sum(w_group): the weight's
-// per-group sums, times -128, computed once at load (`corr`, [N, groups] int32), start each
-// group's integer sum, which is then exact; y = sum_g dot_g * s_g (float32) * w's row scale.
+// registers (above) costs 3 instructions per 8 products; an integer dot product does 32
+// (vpmaddubsw, AVX2) or 64 (vpdpbusd, AVX-512 VNNI) per instruction. x is quantized on the fly
+// in groups of 64 values (one vpdpbusd's worth), symmetric: s = max|x_group| / 127,
+// q = round(x / s) in [-127, 127] (to nearest even). Per group, not per row: one scale per row
+// let an outlier channel crush the rest, and on SmolLM2 greedy tokens parted from float32's
+// within 1-2 tokens on 3 of 4 prompts. Each group's integer sum dot_g(q, w) is exact, and the
+// same on both variants; y = sum_g dot_g * s_g (float32) * w's row scale.
+//
+// row_products_i8(x, M, K, w, corr, r0, rows, scale, bias, y, ldy), one contract on both
+// variants: y[i * ldy + r] = (x row i . w row r0 + r, x quantized per group) * scale[r0 + r]
+// + bias[r0 + r] (bias may be null). corr: the per-group corrections vpdpbusd needs
+// (i8_group_corrections, [N, i8_groups(K)] int32) where kI8Corrections, else unused (null):
+// whoever prepares the weights computes them once, or not, from kI8Corrections.
 
 constexpr int64_t kI8Group = 64;  // k values per group = bytes per vpdpbusd
-constexpr int kRowsXI8 = 4;      // 4 x 4 float sums + 4 weights + 4 corrections: 28 of 32 zmm
 
 inline int64_t i8_groups(int64_t K) { return (K + kI8Group - 1) / kI8Group; }
+
+// corr for vpdpbusd's row_products_i8: -128 x each group's sum of w's codes, [N, i8_groups(K)] int32.
+inline at::Tensor i8_group_corrections(const at::Tensor& w) {
+  const int64_t n = w.size(0), k = w.size(1), g = i8_groups(k);
+  at::Tensor padded = at::constant_pad_nd(w, {0, g * kI8Group - k}, 0);
+  return padded.view({n, g, kI8Group}).sum(-1, false, at::kInt).mul_(-128).contiguous();
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+// -- the AVX-512 variant: vpdpbusd --
+// vpdpbusd multiplies unsigned by signed bytes, so x is stored as u = q + 128, and
+// dot(u, w) = dot(q, w) + 128 * sum(w_group): the weight's per-group sums, times -128, computed
+// once at load (`corr`), start each group's integer sum, which is then exact.
+constexpr bool kI8Corrections = true;
+constexpr int kRowsXI8 = 4;  // 4 x 4 float sums + 4 weights + 4 corrections: 28 of 32 zmm
 
 // One row of x as u8 codes, padded to whole groups with 128 (q = 0), and its group scales.
 inline void quantize_row_u8(const float* x, int64_t K, uint8_t* dst, float* scales) {
@@ -427,8 +446,7 @@ inline void dot_tile_i8(const uint8_t* x, int64_t ldx, const float* sx, const in
   }
 }
 
-// row_products for int8 weights by vpdpbusd: y[i * ldy + r] = (x row i . w row r0 + r, x
-// quantized per group) * scale[r0 + r] + bias[r0 + r]; corr: [N, i8_groups(K)] (see above).
+// row_products_i8 by vpdpbusd (the contract above); corr: [N, i8_groups(K)], required.
 inline void row_products_i8(const float* x, int64_t M, int64_t K, const int8_t* w, const int32_t* corr, int64_t r0,
                             int64_t rows, const float* scale, const float* bias, float* y, int64_t ldy) {
   thread_local std::vector<uint8_t> xq;  // per thread, grown once
@@ -469,11 +487,171 @@ inline void row_products_i8(const float* x, int64_t M, int64_t K, const int8_t* 
   }
 }
 
-// corr for row_products_i8: -128 x each group's sum of w's codes, [N, i8_groups(K)] int32.
-inline at::Tensor i8_group_corrections(const at::Tensor& w) {
-  const int64_t n = w.size(0), k = w.size(1), g = i8_groups(k);
-  at::Tensor padded = at::constant_pad_nd(w, {0, g * kI8Group - k}, 0);
-  return padded.view({n, g, kI8Group}).sum(-1, false, at::kInt).mul_(-128).contiguous();
+#else
+// -- the AVX2 variant: vpmaddubsw, the sign trick --
+// vpmaddubsw multiplies unsigned by signed bytes too, into int16 pairs that saturate, so no
+// offset: x is stored as q and |q| (per call, M x K bytes each), and a product is
+// vpmaddubsw(|q|, sign(w, q)) = |q| * (w with q's sign) = q * w. |q|, |w| <= 127, so a pair
+// sums to at most 2 * 127 * 127 = 32258 and never saturates; vpmaddwd by ones widens the pairs
+// to int32, the two 32-byte halves of a group are added (int32, exact), then converted and
+// scaled as on the AVX-512 variant. No corrections. The weight codes must be in [-127, 127]
+// (quantize_int8 clamps them there): sign(-128, q < 0) would wrap to -128. |q| is x's side
+// rather than |w| the weights' so that abs runs once per call on x, not once per tile on w.
+// Tile: 1 row of x by 4 weight rows: 4 float sums + 4 int32 group sums + q, |q|, the ones and
+// the weight halves in flight fit the 16 ymm registers (gcc -O3: no spills); 2 rows of x by 4
+// spilled and measured no faster (Zen 5 as avx2, ~2.5 cycles per 64 products and row pair).
+constexpr bool kI8Corrections = false;
+constexpr int kRowsXI8 = 1;
+
+// One row of x as int8 codes q and magnitudes |q|, padded to whole groups with 0 (their
+// products are 0 whatever the weight), and its group scales: quantize_row_u8's arithmetic.
+inline void quantize_row_s8(const float* x, int64_t K, int8_t* q, int8_t* aq, float* scales) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t g = 0; g * kI8Group < K; ++g) {
+    const int64_t k0 = g * kI8Group, n = std::min(kI8Group, K - k0);
+    const float* xg = x + k0;
+    int8_t* dq = q + k0;
+    int8_t* da = aq + k0;
+    if (n == kI8Group) {
+      __m256 v[8], mx = _mm256_setzero_ps();
+      for (int t = 0; t < 8; ++t) {
+        v[t] = _mm256_loadu_ps(xg + 8 * t);
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[t]));
+      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float amax = _mm_cvtss_f32(m4);
+      scales[g] = amax / 127.f;
+      const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      __m256i qi[8];  // round to nearest even (MXCSR's default)
+      for (int t = 0; t < 8; ++t) qi[t] = _mm256_cvtps_epi32(_mm256_mul_ps(v[t], inv));
+      for (int h = 0; h < 2; ++h) {
+        const __m256i q8 = pack32(qi[4 * h], qi[4 * h + 1], qi[4 * h + 2], qi[4 * h + 3]);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dq + 32 * h), q8);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(da + 32 * h), _mm256_abs_epi8(q8));
+      }
+    } else {
+      float amax = 0.f;
+      for (int64_t c = 0; c < n; ++c) amax = std::max(amax, std::fabs(xg[c]));
+      scales[g] = amax / 127.f;
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      for (int64_t c = 0; c < n; ++c) {
+        const float r = std::nearbyint(xg[c] * inv);
+        dq[c] = static_cast<int8_t>(r);
+        da[c] = static_cast<int8_t>(std::fabs(r));
+      }
+      for (int64_t c = n; c < kI8Group; ++c) dq[c] = da[c] = 0;
+    }
+  }
+}
+
+// out[i][j] = sum_g dot_g(q row i, w row j) * sx[i][g] for MB rows of x (codes xq, magnitudes
+// xa, stride ldx, scales sx + i * groups) and NB (4 or 1) rows of int8 w (stride ldw); the last
+// group, when K is not a multiple of 64, is read from a zero-padded copy (AVX2 has no masked
+// byte loads, and a row's end may be the tensor's). `stream`: prefetch the weights ahead.
+template <int MB, int NB>
+inline void dot_tile_i8(const int8_t* xq, const int8_t* xa, int64_t ldx, const float* sx, const int8_t* w,
+                        int64_t ldw, int64_t K, bool stream, float out[][kRowsW]) {
+  const int64_t groups = i8_groups(K);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const char* pf = reinterpret_cast<const char*>(w) + kPrefetchBytes;
+  __m256 acc[MB][NB];
+#pragma GCC unroll 4
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
+  // One group: weight row j's 64 codes at wg + j * ld, x's at column k.
+  auto group = [&](const int8_t* wg, int64_t ld, int64_t k, int64_t g) {
+    __m256i isum[MB][NB];
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m256i wv[NB];
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * ld + 32 * h));
+#pragma GCC unroll 4
+      for (int i = 0; i < MB; ++i) {
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa + i * ldx + k + 32 * h));
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * ldx + k + 32 * h));
+#pragma GCC unroll 4
+        for (int j = 0; j < NB; ++j) {
+          const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(wv[j], q)), ones);
+          isum[i][j] = h == 0 ? p : _mm256_add_epi32(isum[i][j], p);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < MB; ++i) {
+      const __m256 sv = _mm256_set1_ps(sx[i * groups + g]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][j]), sv, acc[i][j]);
+    }
+  };
+  int64_t g = 0;
+  for (; (g + 1) * kI8Group <= K; ++g) {
+    const int64_t k = g * kI8Group;
+    if (stream) {
+#pragma GCC unroll 4
+      for (int c = 0; c < NB * 64; c += 64) _mm_prefetch(pf + k * NB + c, _MM_HINT_T0);
+    }
+    group(w + k, ldw, k, g);
+  }
+  if (g < groups) {
+    const int64_t k = g * kI8Group;
+    alignas(32) int8_t tail[NB][kI8Group] = {};
+    for (int j = 0; j < NB; ++j) std::memcpy(tail[j], w + j * ldw + k, K - k);
+    group(&tail[0][0], kI8Group, k, g);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < MB; ++i) {
+    if constexpr (NB == kRowsW) {
+      _mm_storeu_ps(out[i], hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+    } else {
+      for (int j = 0; j < NB; ++j) out[i][j] = hsum(acc[i][j]);
+    }
+  }
+}
+
+// row_products_i8 by vpmaddubsw (the contract above); corr is unused (null).
+inline void row_products_i8(const float* x, int64_t M, int64_t K, const int8_t* w, const int32_t* /*corr*/,
+                            int64_t r0, int64_t rows, const float* scale, const float* bias, float* y, int64_t ldy) {
+  thread_local std::vector<int8_t> xq, xa;  // per thread, grown once
+  thread_local std::vector<float> sx;
+  thread_local std::vector<float> dots;
+  const int64_t groups = i8_groups(K), ldx = groups * kI8Group;
+  if (xq.size() < static_cast<size_t>(M * ldx)) xq.resize(M * ldx), xa.resize(M * ldx);
+  if (sx.size() < static_cast<size_t>(M * groups)) sx.resize(M * groups);
+  if (dots.size() < static_cast<size_t>(M * kRowsW)) dots.resize(M * kRowsW);
+  for (int64_t i = 0; i < M; ++i)
+    quantize_row_s8(x + i * K, K, xq.data() + i * ldx, xa.data() + i * ldx, sx.data() + i * groups);
+  for (int64_t b = 0; b < rows; b += kRowsW) {
+    const int nb = static_cast<int>(std::min<int64_t>(kRowsW, rows - b));
+    const int8_t* wp = w + (r0 + b) * K;
+    auto tile = [&](auto mb_tag, int64_t m) {
+      constexpr int MB = decltype(mb_tag)::value;
+      auto* o = reinterpret_cast<float(*)[kRowsW]>(dots.data() + m * kRowsW);
+      const int8_t* qm = xq.data() + m * ldx;
+      const int8_t* am = xa.data() + m * ldx;
+      const float* sm = sx.data() + m * groups;
+      if (nb == kRowsW) {
+        dot_tile_i8<MB, kRowsW>(qm, am, ldx, sm, wp, K, K, m == 0, o);
+      } else {
+        for (int j = 0; j < nb; ++j) {
+          float one[MB][kRowsW];
+          dot_tile_i8<MB, 1>(qm, am, ldx, sm, wp + j * K, K, K, m == 0, one);
+          for (int i = 0; i < MB; ++i) o[i][j] = one[i][0];
+        }
+      }
+    };
+    for_row_tiles<kRowsXI8>(M, tile);
+    for (int64_t i = 0; i < M; ++i)
+      for (int j = 0; j < nb; ++j) {
+        const int64_t r = r0 + b + j;
+        float v = dots[i * kRowsW + j] * scale[r];
+        if (bias) v += bias[r];
+        y[i * ldy + b + j] = v;
+      }
+  }
 }
 #endif  // __AVX512VNNI__
 

@@ -56,13 +56,6 @@ struct Q4X {
   int64_t M = 0, K = 0, ldq = 0, lds = 0;
 };
 
-// 32 int32 values (4 vectors of 8) to 32 int8 in order: the packs interleave 128-bit lanes,
-// the permute puts them back.
-inline __m256i pack32(__m256i a, __m256i b, __m256i c, __m256i d) {
-  const __m256i ab = _mm256_packs_epi32(a, b), cd = _mm256_packs_epi32(c, d);
-  return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
-
 inline int32_t hsum_i32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
@@ -93,7 +86,7 @@ inline void quantize_x_row(const float* x, int64_t K, Q4X& xq, int64_t i) {
     __m256i qi[4];
     for (int t = 0; t < 4; ++t) qi[t] = _mm256_cvtps_epi32(_mm256_mul_ps(v[t], inv));
     const int32_t sum = hsum_i32(_mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3])));
-    const __m256i q8 = pack32(qi[0], qi[1], qi[2], qi[3]);
+    const __m256i q8 = inferlab_simd::pack32(qi[0], qi[1], qi[2], qi[3]);
     const int64_t c = g / kQ4Chunk, p = g % kQ4Chunk;
     int8_t* base = qrow + c * kQ4Chunk * kQ4Group;
     _mm_storeu_si128(reinterpret_cast<__m128i*>(base + p * 16), _mm256_castsi256_si128(q8));

@@ -28,6 +28,13 @@ inline float to_float(at::Half v) { return static_cast<float>(v); }
 inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
 inline float to_float(int8_t v) { return static_cast<float>(v); }
 
+// 32 int32 values (4 vectors of 8) to 32 int8 in order (saturating): the packs interleave
+// 128-bit lanes, the permute puts them back.
+inline __m256i pack32(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i ab = _mm256_packs_epi32(a, b), cd = _mm256_packs_epi32(c, d);
+  return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 inline float hsum(__m256 a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
