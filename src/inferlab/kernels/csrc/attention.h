@@ -17,14 +17,7 @@
 
 namespace inferlab_attention {
 
-using namespace inferlab_simd;  // load8, to_float, hsum, exp8
-
-inline float hmax(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using namespace inferlab_simd;  // load8, to_float, hsum, hmax, exp8
 
 // The 8 dot products q . rows[j] as one vector: 8 accumulators, then a transposing hadd tree
 // (one reduction per 8 dots instead of one per dot). DC > 0: head_dim = DC (compile time).

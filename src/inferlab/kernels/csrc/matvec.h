@@ -24,7 +24,7 @@
 
 namespace inferlab_matvec {
 
-using namespace inferlab_simd;  // load8, to_float, hsum
+using namespace inferlab_simd;  // load8, to_float, hsum, hmax, pack32
 
 constexpr int kRowsW = 4;  // weight rows per block (one horizontal reduction handles 4 sums)
 constexpr int kRowsX = 3;  // rows of x per micro-kernel call: 3 x 4 = 12 of the 16 ymm registers
@@ -142,6 +142,19 @@ inline void block_dots(const float* x, int64_t M, int64_t K, const T* w, int nb,
   else rows(w);
 }
 
+// y[i * ldy + j] = dots[i * kRowsW + j] * scale[r + j] + bias[r + j] for M rows and nb <= kRowsW
+// columns: one block's sums out; scale and bias may be null.
+inline void store_block(const float* dots, int64_t M, int nb, const float* scale, const float* bias, int64_t r,
+                        float* y, int64_t ldy) {
+  for (int64_t i = 0; i < M; ++i)
+    for (int j = 0; j < nb; ++j) {
+      float v = dots[i * kRowsW + j];
+      if (scale) v *= scale[r + j];
+      if (bias) v += bias[r + j];
+      y[i * ldy + j] = v;
+    }
+}
+
 // y[i * ldy + r] = (x row i) . (w row r0 + r) * scale[r0 + r] + bias[r0 + r] for r in [0, rows),
 // block by block; scale and bias may be null. buf: kRowsW * K floats, dots: kRowsW * M floats.
 template <typename T>
@@ -150,14 +163,7 @@ inline void row_products(const float* x, int64_t M, int64_t K, const T* w, int64
   for (int64_t b = 0; b < rows; b += kRowsW) {
     const int nb = static_cast<int>(std::min<int64_t>(kRowsW, rows - b));
     block_dots(x, M, K, w + (r0 + b) * K, nb, buf, dots);
-    for (int64_t i = 0; i < M; ++i)
-      for (int j = 0; j < nb; ++j) {
-        const int64_t r = r0 + b + j;
-        float v = dots[i * kRowsW + j];
-        if (scale) v *= scale[r];
-        if (bias) v += bias[r];
-        y[i * ldy + b + j] = v;
-      }
+    store_block(dots, M, nb, scale, bias, r0 + b, y + b, ldy);
   }
 }
 
@@ -477,13 +483,7 @@ inline void row_products_i8(const float* x, int64_t M, int64_t K, const int8_t* 
       }
     };
     for_row_tiles<kRowsXI8>(M, tile);
-    for (int64_t i = 0; i < M; ++i)
-      for (int j = 0; j < nb; ++j) {
-        const int64_t r = r0 + b + j;
-        float v = dots[i * kRowsW + j] * scale[r];
-        if (bias) v += bias[r];
-        y[i * ldy + b + j] = v;
-      }
+    store_block(dots.data(), M, nb, scale, bias, r0 + b, y + b, ldy);
   }
 }
 
@@ -518,10 +518,7 @@ inline void quantize_row_s8(const float* x, int64_t K, int8_t* q, int8_t* aq, fl
         v[t] = _mm256_loadu_ps(xg + 8 * t);
         mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[t]));
       }
-      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-      const float amax = _mm_cvtss_f32(m4);
+      const float amax = hmax(mx);
       scales[g] = amax / 127.f;
       const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
       __m256i qi[8];  // round to nearest even (MXCSR's default)
@@ -644,13 +641,7 @@ inline void row_products_i8(const float* x, int64_t M, int64_t K, const int8_t* 
       }
     };
     for_row_tiles<kRowsXI8>(M, tile);
-    for (int64_t i = 0; i < M; ++i)
-      for (int j = 0; j < nb; ++j) {
-        const int64_t r = r0 + b + j;
-        float v = dots[i * kRowsW + j] * scale[r];
-        if (bias) v += bias[r];
-        y[i * ldy + b + j] = v;
-      }
+    store_block(dots.data(), M, nb, scale, bias, r0 + b, y + b, ldy);
   }
 }
 #endif  // __AVX512VNNI__

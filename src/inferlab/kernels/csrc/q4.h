@@ -77,10 +77,7 @@ inline void quantize_x_row(const float* x, int64_t K, Q4X& xq, int64_t i) {
       v[t] = _mm256_loadu_ps(xg + 8 * t);
       mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[t]));
     }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float amax = _mm_cvtss_f32(m4);
+    const float amax = inferlab_simd::hmax(mx);
     const float s = amax / 127.f;
     const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
     __m256i qi[4];

@@ -1,5 +1,6 @@
 // AVX2 helpers shared by the kernels: 8 elements of any stored type as 8 float32 lanes, a
-// horizontal sum, and exp on 8 lanes. Header-only and inline; each kernel file includes it.
+// horizontal sum and max, int32 -> int8 packing, and exp on 8 lanes. Header-only and inline;
+// each kernel file includes it.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -33,6 +34,13 @@ inline float to_float(int8_t v) { return static_cast<float>(v); }
 inline __m256i pack32(__m256i a, __m256i b, __m256i c, __m256i d) {
   const __m256i ab = _mm256_packs_epi32(a, b), cd = _mm256_packs_epi32(c, d);
   return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+inline float hmax(__m256 v) {  // the largest of the 8 lanes
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
 }
 
 inline float hsum(__m256 a) {
