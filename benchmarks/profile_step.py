@@ -17,6 +17,10 @@ K/V bytes its sequences' contexts hold) / bandwidth, a prefill step 2 × paramet
 (+ attention's 2 × 2 × layers × heads × head dim per query-key pair) / FLOP rate. The roof is
 held against the step timed with no profiler attached ("step, no profiler", runs alternated
 with the profiled ones): the profiler's per-operator cost lands in "python/other".
+"parts roof": the same bound taken per part and summed, the matmuls' (weight bytes or their
+FLOPs, whichever binds) plus attention's (K/V bytes or its FLOPs): a step runs its matmuls and
+its attention one after the other, so at 32 decoding sequences the compute-bound matmuls cannot
+hide the memory-bound K/V reads, and the whole step's max() is a bound no schedule reaches.
 """
 
 from __future__ import annotations
@@ -147,10 +151,13 @@ def mean_context(prompt_len: int, decodes_before: int, steps: int) -> float:
     return prompt_len + decodes_before + 1 + (steps - 1) / 2
 
 
-def roofs(llm: LLM, bandwidth: float, flops: float, steps: int) -> tuple[dict[str, float], int]:
+def roofs(llm: LLM, bandwidth: float, flops: float, steps: int) -> tuple[dict[str, float], dict[str, float], int]:
     """Seconds per step at the machine's roof, per case of `main` (see the module docstring):
     the larger of the bytes over the bandwidth and the FLOPs over the matmul rate (at 32
-    sequences the compute roof binds on this CPU, in a prefill always). Also the weight bytes."""
+    sequences the compute roof binds on this CPU, in a prefill always). Then the same per part,
+    summed: the matmuls' (weight bytes, their FLOPs) plus attention's (K/V bytes, its FLOPs),
+    each at its own binding roof, since a step runs them one after the other. Also the weight
+    bytes."""
     mc = llm.engine.model_config
     kv_per_token = llm.engine.runner.kv_bytes_per_token  # as stored (an int8 cache's scales included)
     wb = llm.engine.runner.model.decode_weight_nbytes
@@ -159,19 +166,22 @@ def roofs(llm: LLM, bandwidth: float, flops: float, steps: int) -> tuple[dict[st
     head_flops = 2 * mc.vocab_size * mc.hidden_size  # once per sampled token
     attn_per_pair = 4 * mc.num_layers * mc.num_heads * mc.head_dim
 
-    def roof(tokens: int, sampled: int, pairs: float, kv_tokens: float) -> float:
-        memory = (wb + kv_tokens * kv_per_token) / bandwidth
-        compute = (tokens * 2 * mc.num_layers * layer_params + sampled * head_flops + attn_per_pair * pairs) / flops
-        return max(memory, compute)
+    def roof(tokens: int, sampled: int, pairs: float, kv_tokens: float) -> tuple[float, float]:
+        kv_bytes, attn_flops = kv_tokens * kv_per_token, attn_per_pair * pairs
+        linear_flops = tokens * 2 * mc.num_layers * layer_params + sampled * head_flops
+        whole = max((wb + kv_bytes) / bandwidth, (linear_flops + attn_flops) / flops)
+        parts = max(wb / bandwidth, linear_flops / flops) + max(kv_bytes / bandwidth, attn_flops / flops)
+        return whole, parts
 
     # The cases' shapes (see main): decodes measured after 1 and 2 unmeasured decode steps.
     ctx1, ctx32 = mean_context(128, 1, steps), mean_context(256, 2, steps)
-    return {
+    cases = {
         "decode, batch 1 (ctx ~140)": roof(1, 1, ctx1, ctx1),
         "decode, batch 32 (ctx ~280)": roof(32, 32, 32 * ctx32, 32 * ctx32),
         "prefill, 512 tokens": roof(512, 1, attention_pairs(0, 512), 0),
         "prefill, 8 x 256 tokens": roof(2048, 8, 8 * attention_pairs(0, 256), 0),
-    }, wb
+    }
+    return {n: r[0] for n, r in cases.items()}, {n: r[1] for n, r in cases.items()}, wb
 
 
 def main() -> None:
@@ -200,7 +210,7 @@ def main() -> None:
     # bf16 ones (oneDNN, vdpbf16ps) where it decided on bf16 products, float32 otherwise.
     precision = llm.engine.precision
     rate = "bf16" if precision.bf16_products else "fp32"
-    roof, wb = roofs(llm, hw.memory_bandwidth, hw.flops[rate], args.steps)
+    roof, parts, wb = roofs(llm, hw.memory_bandwidth, hw.flops[rate], args.steps)
     print(f"model {llm.engine.model_name}, {precision.describe(llm.engine.model_config)}, weights {wb / 1e6:.0f} MB, "
           f"threads {torch.get_num_threads()}, load avg {os.getloadavg()[0]:.2f}; measured here: "
           f"{hw.memory_bandwidth / 1e9:.1f} GB/s read, {hw.flops[rate] / 1e9:.0f} GFLOP/s {rate} matmul")
@@ -221,6 +231,9 @@ def main() -> None:
     print(f"{'roof (see docstring)':<24}" + "".join(f"{roof[n] * 1000:>30.2f}" for n in results))
     print(f"{'% of roof (no profiler)':<24}" + "".join(f"{100 * roof[n] / r['step, no profiler']:>29.0f}%"
                                                    for n, r in results.items()))
+    print(f"{'parts roof (docstring)':<24}" + "".join(f"{parts[n] * 1000:>30.2f}" for n in results))
+    print(f"{'% of parts roof':<24}" + "".join(f"{100 * parts[n] / r['step, no profiler']:>29.0f}%"
+                                           for n, r in results.items()))
 
 
 if __name__ == "__main__":

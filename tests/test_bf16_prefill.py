@@ -48,7 +48,9 @@ def test_add_rms_norm_takes_and_gives_bf16():
 
 def test_bf16_step_gives_the_float32_path_bits(monkeypatch):
     """A 200-token prefill with bf16 weights: hidden states bitwise equal with the bf16 path on
-    and off (off: MKL_MIN_ROWS out of reach, so the step converts around every operator as before)."""
+    and off (off: MKL_MIN_ROWS out of reach, so the step converts around every operator), once the
+    float32 path's o, gate/up and down outputs are rounded to bf16 as the bf16 path passes them on
+    (x is rounded to bf16 inside every product either way: the panels' kernel)."""
     cfg = tiny_model_config("llama", hidden_size=128, intermediate_size=384)
     cache = CacheConfig(block_size=16, num_blocks_override=32)
     runner = ModelRunner(cfg, load_dummy(cfg, torch.float32).weights,
@@ -68,6 +70,9 @@ def test_bf16_step_gives_the_float32_path_bits(monkeypatch):
     on = model.forward(ids, positions, runner.kv_caches, meta)
     assert ran  # the bf16 path ran
     monkeypatch.setattr(decoder, "MKL_MIN_ROWS", 10**9)
+    for layer in model.layers:
+        for lin in (layer.o, layer.gate_up, layer.down):
+            monkeypatch.setattr(lin, "kernel", lambda x, real=lin.kernel: real(x).bfloat16().float())
     ran.clear()
     off = model.forward(ids, positions, runner.kv_caches, meta)
     assert not ran

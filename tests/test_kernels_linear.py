@@ -22,7 +22,9 @@ from inferlab.kernels.linear import (
     WeightOnlyLinear,
     int8_group_corrections,
     make_linear,
+    pack_panels,
     quantize_int8,
+    unpack_panels,
 )
 from inferlab.models.precision import resolve_precision
 from inferlab.models.testing import make_tiny_hf_model
@@ -98,7 +100,9 @@ def test_kernel_matches_dequantized_reference(stored, shape, with_bias):
         _check(lin(x), x, lin)  # the path MKL_MIN_ROWS picks
         # and each path forced, whatever M is: our micro-kernel, then float32 tiles through torch's GEMM
         for min_rows in (1 << 30, 1):
-            if stored == torch.int8:
+            if lin.bf16_products:  # bf16 weights in panels: one kernel for every row count
+                y = torch.ops.inferlab.linear_panels(x, lin.weight, n, lin.bias)
+            elif stored == torch.int8:
                 y = torch.ops.inferlab.linear_w8(x, lin.weight, lin.scale, lin.bias, min_rows)
             else:
                 y = torch.ops.inferlab.linear_w16(x, lin.weight, lin.bias, min_rows)
@@ -183,18 +187,64 @@ def test_int8_quantization_error_is_bounded():
 
 
 @pytest.mark.parametrize("stored", STORED, ids=str)
-def test_rows_are_the_dequantized_rows(stored):
-    lin = WeightOnlyLinear(_weight(50, 24), stored, kernel=PLAIN)
+@pytest.mark.parametrize("kernel", ["plain", "this machine's"])
+def test_rows_are_the_dequantized_rows(stored, kernel):
+    lin = WeightOnlyLinear(_weight(50, 24), stored, kernel=PLAIN if kernel == "plain" else None)
     ids = torch.tensor([3, 0, 49, 3])
     rows = lin.rows(ids)
     assert rows.dtype == torch.float32
     torch.testing.assert_close(rows, lin.dequantized()[ids], rtol=0, atol=0)
 
 
+# ---- bf16 weights in panels (the AVX-512 BF16 variant's layout) ------------------------------
+
+BF16_PANELS = pytest.mark.skipif(
+    not build.kernel_info().bf16_dot,
+    reason=f"bf16 panels are the AVX512_BF16 variant's layout; this process has {build.kernel_info().variant}")
+
+
+@pytest.mark.parametrize("shape", [(1, 2), (17, 45), (50, 24), (96, 576)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_panels_pack_and_unpack_exactly(shape):
+    n, k = shape
+    w = _weight(n, k).bfloat16()
+    p = pack_panels(w)
+    assert p.shape == (-(-n // 16), -(-k // 2), 16, 2) and p.is_contiguous()
+    assert torch.equal(p[1 // 16, 0, 1 % 16], w[1, :2]) if n > 1 else True  # row 1's first pair, in place
+    assert torch.equal(unpack_panels(p, n, k), w)
+    ids = torch.tensor([n - 1, 0, n // 2, n - 1])
+    assert torch.equal(unpack_panels(p, n, k, ids), w[ids])
+    assert torch.count_nonzero(p) == torch.count_nonzero(w)  # the padding is zeros
+
+
+@needs_kernels
+@BF16_PANELS
+@pytest.mark.parametrize("shape", [(17, 45), (200, 576), (48, 64)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_panel_products_in_every_form(shape):
+    """linear_panels against x rounded to bf16 times the weight in float64: float32 or bf16 x in,
+    float32 or bf16 out, odd K (a zero pair-half), N not of 16 (masked stores), 1 to 130 rows
+    (tiles of 8 and their tails, blocks of 64 rows), with and without bias."""
+    n, k = shape
+    bias = torch.randn(n)
+    lin = WeightOnlyLinear(_weight(n, k), torch.bfloat16, bias)
+    assert lin.bf16_products and lin.weight.dim() == 4
+    for m in (1, 3, 8, 9, 23, 64, 130):
+        x = torch.randn(m, k)
+        _check(lin(x), x, lin)
+        ref, bound = _reference(x, lin)
+        out = lin.product_bf16(x.bfloat16())  # bf16 in, bf16 out: the sums rounded once
+        assert out.dtype == torch.bfloat16
+        assert bool(((out.double() - ref).abs() <= bound + ref.abs() * 2.0**-8 * 1.01).all())
+        torch.testing.assert_close(lin.product_bf16(x, torch.float32), lin(x), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="do not hold"):
+        torch.ops.inferlab.linear_panels(torch.randn(2, k + 2), lin.weight, n, None)
+
+
 def test_nbytes_and_the_dense_case():
     w = _weight(30, 16)
     assert WeightOnlyLinear(w, torch.float16).nbytes == 30 * 16 * 2
-    assert WeightOnlyLinear(w, torch.bfloat16, torch.zeros(30)).nbytes == 30 * 16 * 2 + 30 * 4
+    bf16 = WeightOnlyLinear(w, torch.bfloat16, torch.zeros(30))
+    # bf16 products keep the weight in whole panels of 16 rows (30 -> 32): the bytes as stored
+    assert bf16.nbytes == (32 if bf16.bf16_products else 30) * 16 * 2 + 30 * 4
     assert WeightOnlyLinear(w, torch.int8).nbytes == 30 * 16 + 30 * 4  # codes + scales
     dense = make_linear(w, None, resolve_precision(LoadConfig(dtype="float32")))
     assert isinstance(dense, DenseLinear) and dense.weight is w and dense.nbytes == 30 * 16 * 4
@@ -496,10 +546,11 @@ def test_16bit_products_see_few_row_counts(monkeypatch):
 
 @pytest.mark.skipif(not build.kernel_info().bf16_dot,
                     reason=f"needs AVX512_BF16 (the avx512 kernel variant); this process has {build.kernel_info().variant}")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("dtype", [torch.int8])
 def test_rows_our_kernels_hand_to_onednn_are_bucketed(dtype):
-    """From MKL_MIN_ROWS rows the avx512 kernels call oneDNN's bf16 GEMM, one cached primitive
-    per row count: those rows are padded to a bucket too, and the padding changes no row."""
+    """From MKL_MIN_ROWS rows the avx512 kernels call oneDNN's bf16 GEMM for int8 codes, one
+    cached primitive per row count: those rows are padded to a bucket too, and the padding
+    changes no row. (bf16 weights are in panels: our kernel at every row count, no oneDNN.)"""
     from inferlab.kernels.linear import MKL_MIN_ROWS, bucket_rows
 
     lin = WeightOnlyLinear(_weight(40, 64), dtype, torch.randn(40))

@@ -31,7 +31,8 @@ from inferlab.kernels.int4 import INT4, Int4Weight, quantize
 if TYPE_CHECKING:
     from inferlab.models.precision import ResolvedPrecision
 
-__all__ = ["DenseLinear", "Int4Linear", "WeightOnlyLinear", "bucket_rows", "linear", "make_linear", "quantize_int8"]
+__all__ = ["DenseLinear", "Int4Linear", "WeightOnlyLinear", "bucket_rows", "linear", "make_linear", "pack_panels",
+           "quantize_int8", "unpack_panels"]
 
 # The storage dtypes WeightOnlyLinear takes; torch.int8 means symmetric per-output-row scales.
 STORED_DTYPES = (torch.float16, torch.bfloat16, torch.int8)
@@ -86,6 +87,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     xp = x.new_zeros((padded, x.shape[1]))
     xp[:m] = x
     return F.linear(xp, weight, bias)[:m]
+
+
+PANEL = 16  # output columns per panel of bf16 weights (csrc/matvec.h kPanel)
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 [N, K] matrix as the AVX-512 kernels multiply it (csrc/matvec.h): panels of 16
+    output columns, each [Kp / 2, 16, 2] (pairs of consecutive k, vdpbf16ps's operand; Kp = K
+    rounded up to even), zero-padded to whole panels: [ceil(N / 16), Kp / 2, 16, 2]."""
+    n, k = weight.shape
+    np_, kp = -(-n // PANEL) * PANEL, k + k % 2
+    padded = F.pad(weight, (0, kp - k, 0, np_ - n))
+    return padded.view(np_ // PANEL, PANEL, kp // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_panels(panels: torch.Tensor, n: int, k: int, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """`pack_panels`' way back: the [N, K] matrix, or only its rows `ids` (an embedding lookup
+    from a tied lm_head's panels reads just those)."""
+    if ids is None:
+        return panels.permute(0, 2, 1, 3).reshape(panels.shape[0] * PANEL, -1)[:n, :k]
+    return panels[ids // PANEL, :, ids % PANEL, :].reshape(ids.numel(), -1)[:, :k]
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,6 +167,12 @@ class WeightOnlyLinear:
             raise ValueError(f"stored_dtype must be float16, bfloat16 or int8, not {stored_dtype}")
         self.compute_dtype = compute_dtype
         self.scale: torch.Tensor | None = None
+        self.out_features, self.in_features = weight.shape
+        kernel = build.kernel_info() if kernel is None else kernel
+        # The AVX-512 variant multiplies bf16 weights in bf16 (vdpbf16ps): x is rounded to bf16
+        # first, the sums stay float32. Its weights are kept in panels (`pack_panels`), the one
+        # copy every row count multiplies; elsewhere the products are float32's.
+        self.bf16_products = stored_dtype == torch.bfloat16 and kernel.bf16_dot
         if stored_dtype == torch.int8:
             self.weight, self.scale = quantize_int8(weight)
         else:
@@ -156,17 +184,14 @@ class WeightOnlyLinear:
                         "store the weights as bfloat16 or float32 (--weight-dtype)"
                     )
             self.weight = weight.to(stored_dtype).contiguous()
+            if self.bf16_products:
+                self.weight = pack_panels(self.weight)
         # Kept in float32, as the kernels take it; the fallback casts it to the activations' dtype.
         self.bias = bias.float().contiguous() if bias is not None else None
-        kernel = build.kernel_info() if kernel is None else kernel
         self.use_kernels = kernel.available
-        # The AVX-512 variant multiplies bf16 weights in bf16 (vdpbf16ps; oneDNN from
-        # MKL_MIN_ROWS rows, its output rounded to bf16 too): x is rounded to bf16 first, the
-        # sums stay float32. Elsewhere the products are float32's.
-        self.bf16_products = stored_dtype == torch.bfloat16 and kernel.bf16_dot
-        # From MKL_MIN_ROWS rows on, bf16 and int8 weights (the latter as bf16 codes x scales)
-        # go to oneDNN's bf16 GEMM there: x and the output rounded to bf16.
-        self.bf16_gemm = stored_dtype in (torch.bfloat16, torch.int8) and kernel.bf16_dot
+        # From MKL_MIN_ROWS rows on, int8 weights (as bf16 codes x scales) go to oneDNN's bf16
+        # GEMM there: x and the output rounded to bf16.
+        self.bf16_gemm = stored_dtype == torch.int8 and kernel.bf16_dot
         # w8a8 (`int8_x`): below MKL_MIN_ROWS rows, x is quantized to int8 per group of
         # INT8_GROUP values (symmetric) and the integer dot product (kernel.int8_dot) runs on the
         # stored codes. vpdpbusd (avx512) takes x as unsigned bytes: -128 x the weight's group
@@ -208,24 +233,20 @@ class WeightOnlyLinear:
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         ops = torch.ops.inferlab
+        if self.bf16_products:
+            return ops.linear_panels(x, self.weight, self.out_features, self.bias)
         if self.scale is not None:
             return ops.linear_w8(x, self.weight, self.scale, self.bias, MKL_MIN_ROWS, self.row_sums, self.int8_x)
         return ops.linear_w16(x, self.weight, self.bias, MKL_MIN_ROWS)
 
     def product_bf16(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """x @ W^T for bf16 weights through oneDNN's bf16 GEMM, x given in float32 or bf16, the
-        output bf16 or float32 (+ bias in float32): exactly what `kernel` computes from
-        MKL_MIN_ROWS rows on, for callers that pass bf16 between operators (silu_mul, add_rms_norm_)
-        instead of widening to float32 and rounding again on the way in."""
-        if self.weight.dtype != torch.bfloat16:
-            raise ValueError(f"product_bf16 needs bf16 weights, these are {self.weight.dtype}")
-        y = linear(x.to(torch.bfloat16), self.weight)
-        if out_dtype == torch.bfloat16 and self.bias is None:
-            return y
-        y = y.float()
-        if self.bias is not None:
-            y.add_(self.bias)
-        return y.to(out_dtype)
+        """x @ W^T (+ bias) for bf16 products, x given in float32 or bf16, the output bf16 or
+        float32: what `kernel` computes, for callers that pass bf16 between operators (silu_mul,
+        add_rms_norm_) instead of widening to float32 and rounding again on the way in."""
+        if not self.bf16_products:
+            raise ValueError("product_bf16 needs bf16 weights on a kernel variant with bf16 products")
+        return torch.ops.inferlab.linear_panels(x, self.weight, self.out_features, self.bias,
+                                                out_dtype == torch.bfloat16)
 
     def fallback(self, x: torch.Tensor) -> torch.Tensor:
         """Plain torch, same math: the weight dequantized to x's dtype, then F.linear."""
@@ -234,6 +255,8 @@ class WeightOnlyLinear:
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as the products see it: codes x scales for int8, the 16-bit values as is."""
+        if self.bf16_products:
+            return unpack_panels(self.weight, self.out_features, self.in_features).to(dtype)
         if self.scale is None:
             return self.weight.to(dtype)
         return (self.weight.float() * self.scale[:, None]).to(dtype)
@@ -241,6 +264,8 @@ class WeightOnlyLinear:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows in the compute dtype: an embedding lookup from the stored table, so a
         tied embedding needs no second, full-precision copy."""
+        if self.bf16_products:
+            return unpack_panels(self.weight, self.out_features, self.in_features, ids).to(self.compute_dtype)
         r = self.weight.index_select(0, ids).to(self.compute_dtype)
         if self.scale is not None:
             r = r * self.scale.index_select(0, ids).to(self.compute_dtype)[:, None]

@@ -38,7 +38,7 @@ class ResolvedPrecision:
     # Our kernels run this model: float32 activations on the CPU where they loaded (the fused
     # layer, the whole-step decode kernel, the weight-only linears' kernels).
     uses_kernels: bool
-    # bf16 weights multiplied in bf16 with float32 sums (vdpbf16ps / oneDNN on the avx512
+    # bf16 weights multiplied in bf16 with float32 sums (vdpbf16ps on the avx512
     # variant), and prefill attention the same way (models/attention.py): one decision for both.
     bf16_products: bool
     device: str

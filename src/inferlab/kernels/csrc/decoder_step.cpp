@@ -30,7 +30,9 @@
 //     o_w, o_scale, post_norm, gate_up_w, gate_up_scale, down_w, down_scale; an empty tensor
 //     (numel 0) for one the model does not have. Weights: one dtype for all (float32, float16,
 //     bfloat16, int8 with float32 per-row scales, or 4-bit: uint8 codes [N, K / 2] with float16
-//     (d, m) pairs [N, K / 32, 2] as the "scale", q4.h's format and integer products). Caches:
+//     (d, m) pairs [N, K / 32, 2] as the "scale", q4.h's format and integer products; or bf16 in
+//     panels, [N / 16, K / 2, 16, 2] (kernels/linear.py pack_panels, the AVX-512 BF16 variant,
+//     head_dim and the intermediate size multiples of 16), multiplied by vdpbf16ps). Caches:
 //     float32, float16 or int8 [kvH, slots, D]; int8 caches also need .set_kv_scales(k_scales,
 //     v_scales) (one [kvH, slots] float32 tensor per layer each: models/kv_cache.py's format,
 //     quantized per row on write, rows.h).
@@ -71,6 +73,7 @@ constexpr int64_t kSharedNormRows = 4;  // from this many rows on, a norm is spl
 
 struct Linear {
   at::Tensor w, scale_t, bias_t, wsum_t;  // scale / bias undefined when absent; wsum: int8 with vpdpbusd
+  at::Tensor panels;                      // bf16 weights packed in panels (matvec.h), where the step uses them
   const float* scale = nullptr;
   const float* bias = nullptr;
   bool int8_x = false;            // int8 weights times x quantized per 64 values (row_products_i8)
@@ -158,10 +161,16 @@ class DecoderStep : public torch::CustomClassHolder {
       ly.k_norm = present(t[5]);
       ly.o = linear(t[6], t[7], at::Tensor(), hidden_, heads_ * head_dim_, "o", int8_x);
       ly.post_norm = t[8];
-      const int64_t two_i = t[9].dim() == 2 ? t[9].size(0) : 0;
+      // 2 x the intermediate size: gate_up's rows, or for panels (bf16, [N / 16, K / 2, 16, 2])
+      // twice down's K (down's panels hold K rounded up to even: an odd size is refused below).
+      const int64_t two_i = t[9].dim() == 2 ? t[9].size(0) : t[9].dim() == 4 && t[11].dim() == 4 ? 4 * t[11].size(1) : 0;
       TORCH_CHECK_VALUE(two_i > 0 && two_i % 2 == 0, "DecoderStep: gate_up must have an even number of rows");
       ly.gate_up = linear(t[9], t[10], at::Tensor(), two_i, hidden_, "gate_up", int8_x);
       ly.down = linear(t[11], t[12], at::Tensor(), hidden_, two_i / 2, "down", int8_x);
+      for (const Linear* lin : {&ly.qkv, &ly.o, &ly.gate_up, &ly.down})
+        TORCH_CHECK_VALUE(!lin->panels.defined() || panel_layout(two_i / 2), "DecoderStep: bf16 weights in panels "
+                          "need head_dim and the intermediate size to be multiples of ", kPanel,
+                          " and the AVX-512 BF16 variant");
       check_f32(ly.input_norm, "input_norm");
       check_f32(ly.post_norm, "post_norm");
       TORCH_CHECK_VALUE(ly.input_norm.numel() == hidden_ && ly.post_norm.numel() == hidden_,
@@ -263,6 +272,7 @@ class DecoderStep : public torch::CustomClassHolder {
                        const char* name, bool int8_x) {
     const auto dt = w.scalar_type();
     if (dt == at::kByte) return linear_q4(w, scale, bias, n, k, name);
+    if (w.dim() == 4) return linear_panels(w, bias, n, k, name);
     TORCH_CHECK_VALUE(w.dim() == 2 && w.is_contiguous() && w.size(0) == n && w.size(1) == k, "DecoderStep: ",
                       name, " weight must be a contiguous [", n, ", ", k, "] matrix, got ", w.sizes());
     TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16 || dt == at::kChar,
@@ -286,6 +296,34 @@ class DecoderStep : public torch::CustomClassHolder {
     if (lin.int8_x && kI8Corrections) {  // once, at set-up: vpdpbusd's offset correction (matvec.h)
       lin.wsum_t = i8_group_corrections(w);
       lin.wsum = lin.wsum_t.data_ptr<int32_t>();
+    }
+    return lin;
+  }
+
+  // Whether bf16 weights in panels can go through panel_products_bf16: this variant has
+  // vdpbf16ps, and every task's first column is a panel's (heads of D columns, gate and up
+  // halves of `inter` each, column ranges of 16).
+  bool panel_layout(int64_t inter) const {
+#if defined(__AVX512BF16__)
+    return head_dim_ % kPanel == 0 && inter % kPanel == 0;
+#else
+    (void)inter;
+    return false;
+#endif
+  }
+
+  // bf16 weights already packed in panels (matvec.h's pack_panels_bf16 of [n, k]), bias or absent.
+  static Linear linear_panels(const at::Tensor& w, const at::Tensor& bias, int64_t n, int64_t k, const char* name) {
+    TORCH_CHECK_VALUE(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.size(0) * 16 >= n &&
+                          w.size(0) * 16 < n + 16 && w.size(1) == (k + 1) / 2 && w.size(2) == 16 && w.size(3) == 2,
+                      "DecoderStep: ", name, " panels must be contiguous bf16 [", (n + 15) / 16, ", ", (k + 1) / 2,
+                      ", 16, 2], got ", w.sizes());
+    Linear lin;
+    lin.w = w, lin.panels = w, lin.n = n, lin.k = k, lin.bias_t = present(bias);
+    if (lin.bias_t.defined()) {
+      check_f32(lin.bias_t, name);
+      TORCH_CHECK_VALUE(lin.bias_t.numel() == n, "DecoderStep: ", name, " bias must have ", n, " elements");
+      lin.bias = lin.bias_t.data_ptr<float>();
     }
     return lin;
   }
@@ -330,6 +368,15 @@ class DecoderStep : public torch::CustomClassHolder {
       inferlab_q4::quantize_x(in, m, lin.k, wk.q4x);
       inferlab_q4::row_products_q4(wk.q4x, lin.w.data_ptr<uint8_t>(), lin.dm, r0, rows, lin.bias, y, ldy);
     } else {
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        if (lin.panels.defined()) {
+          panel_products_bf16(in, m, lin.k, lin.panels.data_ptr<at::BFloat16>(), r0, rows, lin.scale, lin.bias, y,
+                              ldy);
+          return;
+        }
+      }
+#endif
       if constexpr (std::is_same_v<T, int8_t>) {
         if (lin.int8_x) {
           row_products_i8(in, m, lin.k, lin.w.data_ptr<int8_t>(), lin.wsum, r0, rows, lin.scale, lin.bias, y, ldy);

@@ -31,6 +31,12 @@
 //       Below mkl_min_rows rows x is quantized per group of 32 to int8 and the integer dot
 //       product runs on the codes (vpdpbusd on AVX-512, vpmaddubsw on AVX2); from there, the
 //       weight dequantized in tiles to bf16 for oneDNN's GEMM (AVX-512) or float32 for at::mm.
+//   linear_panels(Tensor x, Tensor panels, int n, Tensor? bias=None, bool out_bf16=False) -> Tensor
+//       (AVX-512 BF16 variant only) bf16 weights as kernels/linear.py's pack_panels stores them
+//       there ([ceil(n / 16), ceil(K / 2), 16, 2], matvec.h's panel layout), every row count by
+//       vdpbf16ps: x (float32 or bf16) rounded to bf16, float32 sums, the output float32 or
+//       rounded to bf16. Many rows go 64 at a time over the weights (kPanelRowBlock); against
+//       oneDNN's bf16 GEMM on the [N, K] matrix: 0.9-1.0x at 512 rows, and one copy of the weights.
 // x may have any leading dimensions ([..., K] -> [..., N]).
 
 #include <ATen/ATen.h>
@@ -58,9 +64,9 @@ using namespace inferlab_matvec;  // row_products, convert_rows, kRowsW
 // start is not prefetched), enough of them to even out a late thread; a multiple of 4 blocks
 // (16 columns), so two threads never write the same 64-byte line of y (false sharing).
 template <typename F>
-void for_block_chunks(int64_t blocks, const F& fn) {
+void for_block_chunks(int64_t blocks, const F& fn, int64_t align = 4) {
   const int64_t threads = at::get_num_threads();
-  const int64_t chunk = (std::max<int64_t>(1, blocks / (8 * threads)) + 3) / 4 * 4;
+  const int64_t chunk = (std::max<int64_t>(1, blocks / (8 * threads)) + align - 1) / align * align;
   const int64_t tasks = std::min<int64_t>(threads, (blocks + chunk - 1) / chunk);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
@@ -179,17 +185,10 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, const std::opti
   out_sizes.back() = N;
   const bool big = M >= mkl_min_rows;
 #if defined(__AVX512BF16__)
-  // bf16 weights, many rows: oneDNN's bf16 GEMM on x rounded to bf16 (its output is bf16 too),
-  // measured ~5x float32 GEMM's rate on one Zen 5 core at M = 1024 with SmolLM2's shapes, and
-  // as fast with the weight as stored as with one packed by _reorder_linear_weight (no copy).
-  if (big && M > 0 && N > 0 && w.scalar_type() == at::kBFloat16) {
-    at::Tensor y = at::linear(x2.to(at::kBFloat16), w).to(at::kFloat);
-    if (bias.has_value()) y.add_(*bias);
-    return y.view(out_sizes);
-  }
-  // int8 weights, many rows: the same GEMM on bf16 tiles of codes x scales (bf16's 8 bits hold
-  // a 7-bit code; the product's rounding, 2^-9, is well under the int8 step). Measured 2.2x
-  // faster than float32 tiles through at::mm at a 1,024-token prefill of SmolLM2, one thread.
+  // int8 weights, many rows: oneDNN's bf16 GEMM on x rounded to bf16 and bf16 tiles of codes x
+  // scales (bf16's 8 bits hold a 7-bit code; the product's rounding, 2^-9, is well under the int8
+  // step). Measured 2.2x faster than float32 tiles through at::mm at a 1,024-token prefill of
+  // SmolLM2, one thread. (bf16 weights on this variant are in panels: linear_panels.)
   if (big && M > 0 && N > 0 && w.scalar_type() == at::kChar) {
     at::Tensor xb = x2.to(at::kBFloat16);
     at::Tensor y = at::empty({M, N}, x.options());
@@ -230,6 +229,65 @@ at::Tensor linear_w16(const at::Tensor& x, const at::Tensor& w, const std::optio
               "inferlab linear_w16: w must be float16 or bfloat16, got ", w.scalar_type());
   return linear_impl(x, w, std::nullopt, bias, mkl_min_rows);
 }
+
+#if defined(__AVX512BF16__)
+// Rows of x per pass over the weights when x has many: 64 bf16 rows of SmolLM2's K stay in L2
+// beside a column tile's panels (at 512 rows, one pass over all of them ran 5-15% slower).
+constexpr int64_t kPanelRowBlock = 64;
+
+at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t n,
+                         const std::optional<at::Tensor>& bias, bool out_bf16) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "inferlab linear_panels: x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(panels.scalar_type() == at::kBFloat16 && panels.dim() == 4 && panels.is_contiguous() &&
+                  panels.size(2) == kPanel && panels.size(3) == 2,
+              "inferlab linear_panels: panels must be contiguous bf16 [N / 16, K / 2, 16, 2] (pack_panels)");
+  TORCH_CHECK(x.dim() >= 1, "inferlab linear_panels: x must have at least one dimension");
+  const int64_t K = x.size(-1), kp = panel_k(K);
+  TORCH_CHECK(panels.size(1) * 2 == kp && n > 0 && (n + kPanel - 1) / kPanel == panels.size(0),
+              "inferlab linear_panels: panels ", panels.sizes(), " do not hold ", n, " x ", K, " weights");
+  const float* bias_p = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "inferlab linear_panels: bias must be a contiguous float32 vector of ", n, " values");
+    bias_p = bias->data_ptr<float>();
+  }
+  at::Tensor x2 = x.reshape({-1, K});
+  const int64_t M = x2.size(0);
+  std::vector<int64_t> out_sizes(x.sizes().begin(), x.sizes().end());
+  out_sizes.back() = n;
+  at::Tensor y = at::empty({M, n}, x.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
+  if (M == 0) return y.view(out_sizes);
+  // x in bf16, rows of kp values (a zero past an odd K): as given when it already is.
+  at::Tensor xb;
+  if (x2.scalar_type() == at::kBFloat16 && kp == K) {
+    xb = x2.contiguous();
+  } else if (x2.scalar_type() == at::kBFloat16) {
+    xb = at::constant_pad_nd(x2, {0, 1}, 0).contiguous();
+  } else {
+    xb = at::empty({M, kp}, x.options().dtype(at::kBFloat16));
+    const at::Tensor xf = x2.contiguous();
+    const float* xp = xf.data_ptr<float>();
+    uint16_t* dp = reinterpret_cast<uint16_t*>(xb.data_ptr<at::BFloat16>());
+    at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) { x_to_bf16_rows(xp + m0 * K, m1 - m0, K, dp + m0 * kp); });
+  }
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+  const at::BFloat16* wp = panels.data_ptr<at::BFloat16>();
+  auto run = [&](auto* yp) {
+    for (int64_t m0 = 0; m0 < M; m0 += kPanelRowBlock) {
+      const int64_t mm = std::min(kPanelRowBlock, M - m0);
+      for_block_chunks(panels.size(0), [&](int64_t p0, int64_t p1) {
+        const int64_t c0 = p0 * kPanel, c1 = std::min(n, p1 * kPanel);
+        panel_products_bf16(xp + m0 * kp, kp, mm, K, wp, c0, c1 - c0, nullptr, bias_p, yp + m0 * n + c0, n);
+      }, kPanelsPerTile);
+    }
+  };
+  if (out_bf16) run(y.data_ptr<at::BFloat16>());
+  else run(y.data_ptr<float>());
+  return y.view(out_sizes);
+}
+
+#endif
 
 at::Tensor linear_w8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                      const std::optional<at::Tensor>& bias, int64_t mkl_min_rows,
@@ -286,10 +344,16 @@ TORCH_LIBRARY_FRAGMENT(inferlab, m) {
   m.def("linear_w8(Tensor x, Tensor w, Tensor scale, Tensor? bias=None, int mkl_min_rows=128, "
         "Tensor? row_sums=None, bool int8_x=False) -> Tensor");
   m.def("linear_w4(Tensor x, Tensor codes, Tensor dm, Tensor? bias=None, int mkl_min_rows=128) -> Tensor");
+#if defined(__AVX512BF16__)
+  m.def("linear_panels(Tensor x, Tensor panels, int n, Tensor? bias=None, bool out_bf16=False) -> Tensor");
+#endif
 }
 
 TORCH_LIBRARY_IMPL(inferlab, CPU, m) {
   m.impl("linear_w16", &linear_w16);
   m.impl("linear_w8", &linear_w8);
   m.impl("linear_w4", &linear_w4);
+#if defined(__AVX512BF16__)
+  m.impl("linear_panels", &linear_panels);
+#endif
 }
