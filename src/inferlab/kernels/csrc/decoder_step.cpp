@@ -117,6 +117,12 @@ struct Work {
   std::vector<float> cols2;  // M * task width: the up half of gate/up
   inferlab_attention::Scratch attn;
   inferlab_q4::Q4X q4x;      // x quantized for 4-bit weights
+  // x rounded to bf16 for bf16 panels, once per phase and thread: a phase's tasks (15 heads of
+  // qkv, gate and up) all multiply the same x, and converting it per task cost ~2 ms of a
+  // 32-row step. `phase` counts the phases this thread entered; xb holds `xb_src` as of `xb_phase`.
+  std::vector<uint16_t> xb;
+  const float* xb_src = nullptr;
+  int64_t xb_phase = -1, phase = 0;
 };
 
 at::Tensor present(const at::Tensor& t) { return t.numel() > 0 ? t : at::Tensor(); }
@@ -371,8 +377,14 @@ class DecoderStep : public torch::CustomClassHolder {
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, at::BFloat16>) {
         if (lin.panels.defined()) {
-          panel_products_bf16(in, m, lin.k, lin.panels.data_ptr<at::BFloat16>(), r0, rows, lin.scale, lin.bias, y,
-                              ldy);
+          const int64_t kp = panel_k(lin.k);
+          if (wk.xb_src != in || wk.xb_phase != wk.phase) {
+            wk.xb.resize(std::max<size_t>(wk.xb.size(), m * kp));
+            x_to_bf16_rows(in, m, lin.k, wk.xb.data());
+            wk.xb_src = in, wk.xb_phase = wk.phase;
+          }
+          panel_products_bf16(wk.xb.data(), kp, m, lin.k, lin.panels.data_ptr<at::BFloat16>(), r0, rows, lin.scale,
+                              lin.bias, y, ldy);
           return;
         }
       }
@@ -458,6 +470,7 @@ class DecoderStep : public torch::CustomClassHolder {
         float* ksc = k_scales_.empty() ? nullptr : k_scales_[l].data_ptr<float>();  // int8 caches only
         float* vsc = v_scales_.empty() ? nullptr : v_scales_[l].data_ptr<float>();
         clock.mark(kQkv);
+        ++wk.phase;  // x changes: a bf16 copy of the last one is stale
         const float* hn = norm_rows(x, ly.input_norm, m, hbuf, wk);
 
 #pragma omp for schedule(dynamic, 1)
@@ -497,6 +510,7 @@ class DecoderStep : public torch::CustomClassHolder {
         }
 
         clock.mark(kO);
+        ++wk.phase;  // x changes: a bf16 copy of the last one is stale
 #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < hidden_tasks; ++c) add_product<T>(attn, m, ly.o, c, hidden_w, x, wk);
 
@@ -504,6 +518,7 @@ class DecoderStep : public torch::CustomClassHolder {
         hn = norm_rows(x, ly.post_norm, m, hbuf, wk);
 
         clock.mark(kGateUp);
+        ++wk.phase;  // x changes: a bf16 copy of the last one is stale
 #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < inter_tasks; ++c) {
           const int64_t j0 = c * inter_w, nn = std::min(inter_w, inter - j0);
@@ -514,6 +529,7 @@ class DecoderStep : public torch::CustomClassHolder {
         }
 
         clock.mark(kDown);
+        ++wk.phase;  // x changes: a bf16 copy of the last one is stale
 #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < hidden_tasks; ++c) add_product<T>(act, m, ly.down, c, hidden_w, x, wk);
       }

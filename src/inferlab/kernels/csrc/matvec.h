@@ -314,11 +314,11 @@ inline void panel_tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, 
   __m512 acc[MB][NB];
 #pragma GCC unroll 8
   for (int i = 0; i < MB; ++i)
-#pragma GCC unroll 3
+#pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t p = 0; p < kp / 2; ++p) {
     __m512bh wv[NB];
-#pragma GCC unroll 3
+#pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) {
       const uint16_t* src = wp + j * ps + p * 2 * kPanel;
       if (stream) _mm_prefetch(reinterpret_cast<const char*>(src) + kAhead, _MM_HINT_T0);
@@ -331,11 +331,11 @@ inline void panel_tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, 
       std::memcpy(&pair, x + i * ldx + 2 * p, sizeof(pair));
       const __m512i b = _mm512_set1_epi32(pair);
       const __m512bh xb = reinterpret_cast<const __m512bh&>(b);
-#pragma GCC unroll 3
+#pragma GCC unroll 4
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xb, wv[j]);
     }
   }
-#pragma GCC unroll 3
+#pragma GCC unroll 4
   for (int j = 0; j < NB; ++j) {
     const int cols = j == NB - 1 ? last : static_cast<int>(kPanel);
     const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
@@ -356,8 +356,13 @@ inline void panel_products_bf16(const uint16_t* xb, int64_t ldx, int64_t M, int6
                                 int64_t r0, int64_t rows, const float* scale, const float* bias, Y* y, int64_t ldy) {
   const int64_t kp = panel_k(K);
   const uint16_t* w = reinterpret_cast<const uint16_t*>(panels) + r0 * kp;  // panel r0 / 16
-  for (int64_t c = 0; c < rows; c += kPanel * kPanelsPerTile) {
-    const int64_t cols = std::min<int64_t>(kPanel * kPanelsPerTile, rows - c);
+  for (int64_t c = 0; c < rows;) {
+    // Tiles of 3 panels by 8 x-rows; where 4 panels are left (a 64-wide head of qkv), one tile of
+    // 4 by 6 x-rows (24 sums too) rather than 3 + a lone panel, whose 8 sums per weight load
+    // leave the tile bound by x's broadcasts (the qkv phase at 32 rows: 424 GFLOP/s with it).
+    const int64_t left = rows - c;
+    const bool four = left > kPanel * kPanelsPerTile && left <= kPanel * 4;
+    const int64_t cols = std::min<int64_t>(kPanel * (four ? 4 : kPanelsPerTile), left);
     const int np = static_cast<int>((cols + kPanel - 1) / kPanel);
     const int last = static_cast<int>(cols - (np - 1) * kPanel);
     const uint16_t* wp = w + c * kp;
@@ -371,7 +376,13 @@ inline void panel_products_bf16(const uint16_t* xb, int64_t ldx, int64_t M, int6
       else if (np == 2) panel_tile_bf16<MB, 2>(xt, ldx, wp, kp, m == 0, sc, bs, last, yt, ldy);
       else panel_tile_bf16<MB, 1>(xt, ldx, wp, kp, m == 0, sc, bs, last, yt, ldy);
     };
-    for_row_tiles<kPanelRowsX>(M, tile);
+    auto tile4 = [&](auto mb_tag, int64_t m) {
+      constexpr int MB = decltype(mb_tag)::value;
+      panel_tile_bf16<MB, 4>(xb + m * ldx, ldx, wp, kp, m == 0, sc, bs, last, y + m * ldy + c, ldy);
+    };
+    if (four) for_row_tiles<kRowsX16>(M, tile4);
+    else for_row_tiles<kPanelRowsX>(M, tile);
+    c += cols;
   }
 }
 
