@@ -318,19 +318,25 @@ class DecoderStep : public torch::CustomClassHolder {
 #endif
   }
 
-  // bf16 weights already packed in panels (matvec.h's pack_panels_bf16 of [n, k]), bias or absent.
+  // A float32 bias of n values, or none (an empty tensor): checked and held by lin.
+  static void set_bias(Linear& lin, const at::Tensor& bias, int64_t n, const char* name) {
+    lin.bias_t = present(bias);
+    if (!lin.bias_t.defined()) return;
+    check_f32(lin.bias_t, name);
+    TORCH_CHECK_VALUE(lin.bias_t.numel() == n, "DecoderStep: ", name, " bias must have ", n, " elements");
+    lin.bias = lin.bias_t.data_ptr<float>();
+  }
+
+  // bf16 weights already in panels (kernels/linear.py pack_panels of [n, k]), bias float32 or absent.
   static Linear linear_panels(const at::Tensor& w, const at::Tensor& bias, int64_t n, int64_t k, const char* name) {
-    TORCH_CHECK_VALUE(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.size(0) * 16 >= n &&
-                          w.size(0) * 16 < n + 16 && w.size(1) == (k + 1) / 2 && w.size(2) == 16 && w.size(3) == 2,
-                      "DecoderStep: ", name, " panels must be contiguous bf16 [", (n + 15) / 16, ", ", (k + 1) / 2,
-                      ", 16, 2], got ", w.sizes());
+    const int64_t panels = (n + kPanel - 1) / kPanel;
+    TORCH_CHECK_VALUE(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.size(0) == panels &&
+                          w.size(1) == (k + 1) / 2 && w.size(2) == kPanel && w.size(3) == 2,
+                      "DecoderStep: ", name, " panels must be contiguous bf16 [", panels, ", ", (k + 1) / 2, ", ",
+                      kPanel, ", 2], got ", w.sizes());
     Linear lin;
-    lin.w = w, lin.panels = w, lin.n = n, lin.k = k, lin.bias_t = present(bias);
-    if (lin.bias_t.defined()) {
-      check_f32(lin.bias_t, name);
-      TORCH_CHECK_VALUE(lin.bias_t.numel() == n, "DecoderStep: ", name, " bias must have ", n, " elements");
-      lin.bias = lin.bias_t.data_ptr<float>();
-    }
+    lin.w = w, lin.panels = w, lin.n = n, lin.k = k;
+    set_bias(lin, bias, n, name);
     return lin;
   }
 
@@ -343,12 +349,8 @@ class DecoderStep : public torch::CustomClassHolder {
     TORCH_CHECK_VALUE(dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.numel() == n * (k / 16),
                       "DecoderStep: ", name, " 4-bit weights need float16 (d, m) pairs [", n, ", ", k / 32, ", 2]");
     Linear lin;
-    lin.w = w, lin.n = n, lin.k = k, lin.scale_t = dm, lin.bias_t = present(bias);
-    if (lin.bias_t.defined()) {
-      check_f32(lin.bias_t, name);
-      TORCH_CHECK_VALUE(lin.bias_t.numel() == n, "DecoderStep: ", name, " bias must have ", n, " elements");
-      lin.bias = lin.bias_t.data_ptr<float>();
-    }
+    lin.w = w, lin.n = n, lin.k = k, lin.scale_t = dm;
+    set_bias(lin, bias, n, name);
     lin.dm = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
     return lin;
   }

@@ -1,6 +1,7 @@
 // The weight-streaming matrix-vector core shared by linear.cpp (one linear layer per call) and
 // decoder_step.cpp (a whole decode step per call): dot products of a few rows of float32 x with
-// blocks of 4 weight rows stored as float32, float16, bfloat16 or int8.
+// blocks of 4 weight rows stored as float32, float16, bfloat16 or int8, and (AVX-512 BF16) bf16
+// weights in panels of 16 output columns multiplied by vdpbf16ps.
 //
 // A block of 4 weight rows is read from memory once per call, prefetched as one linear stream,
 // and re-used for every row of x: converted in registers by each tile of 3 rows up to
@@ -179,6 +180,8 @@ inline void row_products(const float* x, int64_t M, int64_t K, const T* w, int64
 // K: one linear stream per panel. Measured on one core of this Zen 5, SmolLM2's shapes, 32 rows,
 // 30 layers' worth streamed from memory: 273-358 GFLOP/s against 168-220 for the row layout's
 // 6 x 4 tiles (8 x-rows x 3 panels, 24 of the 32 zmm holding sums, beat 6 x 4, 4 x 4 and 12 x 2).
+// The layout's constants are here, for every variant (the decode step checks a layout with them);
+// its kernels (panel_products_bf16) are in the vdpbf16ps section below.
 constexpr int64_t kPanel = 16;    // output columns per panel: one zmm of float32 sums
 constexpr int kPanelRowsX = 8;    // rows of x per tile
 constexpr int kPanelsPerTile = 3; // panels per tile: 8 x 3 sums + 3 weights + 1 broadcast
@@ -346,8 +349,8 @@ inline void panel_tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, 
   }
 }
 
-// row_products' contract for panel-packed bf16 weights (pack_panels_bf16 of an [N, K] matrix)
-// and x already in bf16 (M rows of stride ldx >= Kp, zero past K):
+// row_products' contract for bf16 weights in panels (kernels/linear.py pack_panels of an [N, K]
+// matrix) and x already in bf16 (M rows of stride ldx >= Kp, zero past K):
 // y[i * ldy + r] = (x row i) . (w row r0 + r) * scale[r0 + r] + bias[r0 + r] for r in [0, rows),
 // r0 a multiple of 16 and r0 + rows <= N; y float32 or bf16. Column tiles of 3 panels, each
 // streamed from memory once, by its first tile of 8 x-rows; the others re-read it from cache.
