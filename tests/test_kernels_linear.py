@@ -209,7 +209,8 @@ def test_panels_pack_and_unpack_exactly(shape):
     w = _weight(n, k).bfloat16()
     p = pack_panels(w)
     assert p.shape == (-(-n // 16), -(-k // 2), 16, 2) and p.is_contiguous()
-    assert torch.equal(p[1 // 16, 0, 1 % 16], w[1, :2]) if n > 1 else True  # row 1's first pair, in place
+    if n > 1:
+        assert torch.equal(p[0, 0, 1], w[1, :2])  # row 1's first pair: panel 0, pair 0, column 1
     assert torch.equal(unpack_panels(p, n, k), w)
     ids = torch.tensor([n - 1, 0, n // 2, n - 1])
     assert torch.equal(unpack_panels(p, n, k, ids), w[ids])

@@ -465,14 +465,18 @@ class DecoderStep : public torch::CustomClassHolder {
       wk.cols2.resize(std::max<size_t>(wk.cols2.size(), m * inter_w));
 
       PhaseClock clock(profiling_ && omp_get_thread_num() == 0 ? phase_seconds_.data() : nullptr);
+      // A phase starts: its clock, and (a product phase: its x is new) the bf16 copy of x is stale.
+      auto enter = [&](int phase) {
+        clock.mark(phase);
+        ++wk.phase;
+      };
       for (size_t l = 0; l < layers_.size(); ++l) {
         const Layer& ly = layers_[l];
         C* kc = k_caches_[l].data_ptr<C>();
         C* vc = v_caches_[l].data_ptr<C>();
         float* ksc = k_scales_.empty() ? nullptr : k_scales_[l].data_ptr<float>();  // int8 caches only
         float* vsc = v_scales_.empty() ? nullptr : v_scales_[l].data_ptr<float>();
-        clock.mark(kQkv);
-        ++wk.phase;  // x changes: a bf16 copy of the last one is stale
+        enter(kQkv);
         const float* hn = norm_rows(x, ly.input_norm, m, hbuf, wk);
 
 #pragma omp for schedule(dynamic, 1)
@@ -511,16 +515,14 @@ class DecoderStep : public torch::CustomClassHolder {
                                                      attn_scale_, attn + off, wk.attn);
         }
 
-        clock.mark(kO);
-        ++wk.phase;  // x changes: a bf16 copy of the last one is stale
+        enter(kO);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < hidden_tasks; ++c) add_product<T>(attn, m, ly.o, c, hidden_w, x, wk);
 
         clock.mark(kNorm);
         hn = norm_rows(x, ly.post_norm, m, hbuf, wk);
 
-        clock.mark(kGateUp);
-        ++wk.phase;  // x changes: a bf16 copy of the last one is stale
+        enter(kGateUp);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < inter_tasks; ++c) {
           const int64_t j0 = c * inter_w, nn = std::min(inter_w, inter - j0);
@@ -530,8 +532,7 @@ class DecoderStep : public torch::CustomClassHolder {
             silu_mul_row(wk.cols.data() + i * inter_w, wk.cols2.data() + i * inter_w, nn, act + i * inter + j0);
         }
 
-        clock.mark(kDown);
-        ++wk.phase;  // x changes: a bf16 copy of the last one is stale
+        enter(kDown);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < hidden_tasks; ++c) add_product<T>(act, m, ly.down, c, hidden_w, x, wk);
       }

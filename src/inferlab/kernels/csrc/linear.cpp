@@ -75,6 +75,14 @@ void for_block_chunks(int64_t blocks, const F& fn, int64_t align = 4) {
   });
 }
 
+// An optional float32 vector of n values (a scale or a bias), checked: its data, or null.
+const float* vector_or_null(const std::optional<at::Tensor>& v, int64_t n, const char* op, const char* what) {
+  if (!v.has_value()) return nullptr;
+  TORCH_CHECK(v->scalar_type() == at::kFloat && v->is_contiguous() && v->numel() == n, "inferlab ", op, ": ", what,
+              " must be a contiguous float32 vector of ", n, " values");
+  return v->data_ptr<float>();
+}
+
 // The decode path: y = x @ w^T (* scale) (+ bias) with our micro-kernel; int8_x takes int8 weights
 // to the integer dot product (row_products_i8, with wsum, their group corrections, where
 // kI8Corrections).
@@ -167,18 +175,8 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, const std::opti
   TORCH_CHECK(x.dim() >= 1, "inferlab linear: x must have at least one dimension");
   const int64_t N = w.size(0), K = w.size(1);
   TORCH_CHECK(x.size(-1) == K, "inferlab linear: x has ", x.size(-1), " features, w expects ", K);
-  const float* scale_p = nullptr;
-  if (scale.has_value()) {
-    TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->is_contiguous() && scale->numel() == N,
-                "inferlab linear: scale must be a contiguous float32 vector of ", N, " values");
-    scale_p = scale->data_ptr<float>();
-  }
-  const float* bias_p = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "inferlab linear: bias must be a contiguous float32 vector of ", N, " values");
-    bias_p = bias->data_ptr<float>();
-  }
+  const float* scale_p = vector_or_null(scale, N, "linear", "scale");
+  const float* bias_p = vector_or_null(bias, N, "linear", "bias");
   at::Tensor x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
   std::vector<int64_t> out_sizes(x.sizes().begin(), x.sizes().end());
@@ -246,12 +244,7 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t 
   const int64_t K = x.size(-1), kp = panel_k(K);
   TORCH_CHECK(panels.size(1) * 2 == kp && n > 0 && (n + kPanel - 1) / kPanel == panels.size(0),
               "inferlab linear_panels: panels ", panels.sizes(), " do not hold ", n, " x ", K, " weights");
-  const float* bias_p = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                "inferlab linear_panels: bias must be a contiguous float32 vector of ", n, " values");
-    bias_p = bias->data_ptr<float>();
-  }
+  const float* bias_p = vector_or_null(bias, n, "linear_panels", "bias");
   at::Tensor x2 = x.reshape({-1, K});
   const int64_t M = x2.size(0);
   std::vector<int64_t> out_sizes(x.sizes().begin(), x.sizes().end());
@@ -317,12 +310,7 @@ at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.numel() == N * (K / 16),
               "inferlab linear_w4: dm must be contiguous float16 [", N, ", ", K / 32, ", 2]");
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "inferlab linear_w4: x must have ", K, " features");
-  const float* bias_p = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "inferlab linear_w4: bias must be a contiguous float32 vector of ", N, " values");
-    bias_p = bias->data_ptr<float>();
-  }
+  const float* bias_p = vector_or_null(bias, N, "linear_w4", "bias");
   at::Tensor x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
   std::vector<int64_t> out_sizes(x.sizes().begin(), x.sizes().end());
