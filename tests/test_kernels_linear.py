@@ -20,11 +20,13 @@ from inferlab.kernels.linear import (
     MKL_MIN_ROWS,
     DenseLinear,
     WeightOnlyLinear,
-    int8_group_corrections,
     make_linear,
     pack_panels,
+    pack_panels_i8,
+    panel_corrections_i8,
     quantize_int8,
     unpack_panels,
+    unpack_panels_i8,
 )
 from inferlab.models.precision import resolve_precision
 from inferlab.models.testing import make_tiny_hf_model
@@ -215,6 +217,26 @@ def test_panels_pack_and_unpack_exactly(shape):
     ids = torch.tensor([n - 1, 0, n // 2, n - 1])
     assert torch.equal(unpack_panels(p, n, k, ids), w[ids])
     assert torch.count_nonzero(p) == torch.count_nonzero(w)  # the padding is zeros
+
+
+@pytest.mark.parametrize("shape", [(1, 2), (17, 45), (50, 130), (96, 576)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_int8_panels_pack_unpack_and_their_corrections(shape):
+    """w8a8's panels (the VNNI variant's layout): 16 columns x quads of k, K padded to groups of
+    64 with zeros; the corrections are -128 x each column's code sums per group."""
+    n, k = shape
+    q, _ = quantize_int8(_weight(n, k))
+    p = pack_panels_i8(q)
+    groups = -(-k // 64)
+    assert p.shape == (-(-n // 16), groups * 16, 16, 4) and p.dtype == torch.int8 and p.is_contiguous()
+    if n > 1 and k >= 4:
+        assert torch.equal(p[0, 0, 1], q[1, :4])  # row 1's first quad: panel 0, quad 0, column 1
+    assert torch.equal(unpack_panels_i8(p, n, k), q)
+    ids = torch.tensor([n - 1, 0, n // 2])
+    assert torch.equal(unpack_panels_i8(p, n, k, ids), q[ids])
+    assert torch.count_nonzero(p) == torch.count_nonzero(q)  # the padding is zeros
+    corr = panel_corrections_i8(p)
+    want = F.pad(q, (0, groups * 64 - k, 0, -n % 16)).view(-1, 16, groups, 64).sum(-1, dtype=torch.int32) * -128
+    assert corr.dtype == torch.int32 and torch.equal(corr, want.transpose(1, 2))
 
 
 @needs_kernels
@@ -408,12 +430,12 @@ def w8a8_reference(x: torch.Tensor, lin: WeightOnlyLinear, dot: str) -> tuple[to
     summed over groups, scaled, biased. A q one step off moves y by s_g |w| (a few times the
     bound or more); float32 products instead of the integer path, by ~1e-2 of y."""
     m, k = x.shape
-    n, groups = lin.weight.shape[0], -(-k // 64)
+    n, groups = lin.out_features, -(-k // 64)
     xg = F.pad(x, (0, groups * 64 - k)).view(m, groups, 64)
     amax = xg.abs().amax(-1)
     inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
     q = torch.round(xg * inv[..., None]).double()
-    codes = F.pad(lin.weight, (0, groups * 64 - k)).view(n, groups, 64).double()
+    codes = F.pad(lin.codes(), (0, groups * 64 - k)).view(n, groups, 64).double()
     s = (amax / 127).double()[:, None, :] * lin.scale.double()[None, :, None]  # [m, n, groups]
     y = (torch.einsum("mgc,ngc->mng", q, codes) * s).sum(-1)
     lanes = torch.einsum("mgc,ngc->mng", q.abs(), codes.abs())
@@ -436,8 +458,8 @@ def w8a8_outputs(expect_variant: str = "") -> dict[tuple[int, int], tuple[torch.
         bias = torch.randn(n, generator=torch.Generator().manual_seed(k))
         lin = WeightOnlyLinear(_weight(n, k), torch.int8, bias, int8_activations=True)
         assert lin.int8_x
-        # vpdpbusd's corrections where it runs; the sign trick (vpmaddubsw) has none to compute
-        want_sums = (n, -(-k // 64)) if kernel.int8_dot == "vpdpbusd" else None
+        # vpdpbusd's codes in panels with their corrections; the sign trick (vpmaddubsw) has none
+        want_sums = (-(-n // 16), -(-k // 64), 16) if kernel.int8_dot == "vpdpbusd" else None
         assert (None if lin.row_sums is None else tuple(lin.row_sums.shape)) == want_sums
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m))
         x[:, 1] *= 30  # an outlier channel: its group's scale is coarse, the others' are not
@@ -493,19 +515,34 @@ def test_w8a8_gives_the_same_results_on_both_variants(tmp_path):
         assert bool((diff <= bound + theirs[case][1]).all()), (case, float((diff / bound).max()))
 
 
-@needs_kernels
-def test_linear_w8_takes_row_sums_exactly_where_vpdpbusd_needs_them():
+@needs_int8_dot
+def test_w8a8_codes_are_laid_out_for_the_variants_instruction():
+    """vpdpbusd (avx512): panels and their corrections, and linear_w8 refuses int8 x (that path
+    is the rows'); vpmaddubsw (avx2): the [N, K] codes, no corrections."""
     lin = WeightOnlyLinear(_weight(8, 130), torch.int8, None, int8_activations=True)
     x, ops = torch.randn(2, 130), torch.ops.inferlab
-    sums = int8_group_corrections(lin.weight)
-    with pytest.raises(RuntimeError, match="int8_x is off"):
-        ops.linear_w8(x, lin.weight, lin.scale, None, MKL_MIN_ROWS, sums, False)
+    codes = quantize_int8(_weight(8, 130))[0]
+    assert torch.equal(lin.codes(), codes)
     if build.kernel_info().int8_dot == "vpdpbusd":
-        with pytest.raises(RuntimeError, match="needs row_sums"):
-            ops.linear_w8(x, lin.weight, lin.scale, None, MKL_MIN_ROWS, None, True)
+        assert lin.i8_panels and lin.weight.shape == (1, 48, 16, 4) and lin.row_sums is not None
+        with pytest.raises(RuntimeError, match="panels: linear_panels_i8"):
+            ops.linear_w8(x, codes, lin.scale, None, MKL_MIN_ROWS, True)
     else:
-        with pytest.raises(RuntimeError, match="takes none"):
-            ops.linear_w8(x, lin.weight, lin.scale, None, MKL_MIN_ROWS, sums, True)
+        assert not lin.i8_panels and lin.weight.shape == (8, 130) and lin.row_sums is None
+
+
+@needs_int8_dot
+@pytest.mark.skipif(build.kernel_info().int8_dot != "vpdpbusd",
+                    reason=f"int8 x at prefill sizes is the VNNI panels' (AVX512_VNNI); this process has "
+                           f"{build.kernel_info().variant}, whose w8a8 multiplies float32 tiles from {MKL_MIN_ROWS} rows")
+@pytest.mark.parametrize("m", [MKL_MIN_ROWS, 200])
+def test_w8a8_panels_quantize_x_at_prefill_sizes_too(m):
+    """One copy of the codes, one numerics for every row count: 64 rows a pass over the panels."""
+    n, k = 50, 600
+    lin = WeightOnlyLinear(_weight(n, k), torch.int8, torch.randn(n), int8_activations=True)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    want, bound = w8a8_reference(x, lin, "vpdpbusd")
+    assert bool(((lin(x).double() - want).abs() <= bound).all())
 
 
 def test_w8a8_needs_our_kernels_and_says_what_this_machine_has(monkeypatch):

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from inferlab.models.precision import ResolvedPrecision
 
 __all__ = ["DenseLinear", "Int4Linear", "WeightOnlyLinear", "bucket_rows", "linear", "make_linear", "pack_panels",
-           "quantize_int8", "unpack_panels"]
+           "pack_panels_i8", "panel_corrections_i8", "quantize_int8", "unpack_panels", "unpack_panels_i8"]
 
 # The storage dtypes WeightOnlyLinear takes; torch.int8 means symmetric per-output-row scales.
 STORED_DTYPES = (torch.float16, torch.bfloat16, torch.int8)
@@ -50,15 +50,6 @@ INT8_BF16_MIN_ROWS = 4
 
 _FP16_MAX = torch.finfo(torch.float16).max
 INT8_GROUP = 64  # x values per int8 scale on the w8a8 path (csrc/matvec.h's kI8Group)
-
-
-def int8_group_corrections(q: torch.Tensor) -> torch.Tensor:
-    """-128 x the sums of int8 codes per row and group of INT8_GROUP columns, [N, groups] int32:
-    what vpdpbusd (unsigned x codes = q_x + 128) needs to make each group's sum exact."""
-    n, k = q.shape
-    groups = -(-k // INT8_GROUP)
-    padded = F.pad(q, (0, groups * INT8_GROUP - k))
-    return (padded.view(n, groups, INT8_GROUP).sum(-1, dtype=torch.int32) * -128).contiguous()
 
 
 # torch's 16-bit GEMMs on the CPU go to oneDNN, which builds one primitive per (M, N, K) and keeps
@@ -108,6 +99,32 @@ def unpack_panels(panels: torch.Tensor, n: int, k: int, ids: torch.Tensor | None
     if ids is None:
         return panels.permute(0, 2, 1, 3).reshape(panels.shape[0] * PANEL, -1)[:n, :k]
     return panels[ids // PANEL, :, ids % PANEL, :].reshape(ids.numel(), -1)[:, :k]
+
+
+def pack_panels_i8(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] as the VNNI kernels multiply them (csrc/matvec.h panel_products_i8):
+    panels of 16 output columns, each [Kq / 4, 16, 4] (quads of consecutive k, vpdpbusd's
+    operand; Kq = K rounded up to whole groups of INT8_GROUP), zero-padded to whole panels."""
+    n, k = codes.shape
+    np_, kq = -(-n // PANEL) * PANEL, -(-k // INT8_GROUP) * INT8_GROUP
+    padded = F.pad(codes, (0, kq - k, 0, np_ - n))
+    return padded.view(np_ // PANEL, PANEL, kq // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_panels_i8(panels: torch.Tensor, n: int, k: int, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """`pack_panels_i8`' way back: the [N, K] codes, or only their rows `ids`."""
+    if ids is None:
+        return panels.permute(0, 2, 1, 3).reshape(panels.shape[0] * PANEL, -1)[:n, :k]
+    return panels[ids // PANEL, :, ids % PANEL, :].reshape(ids.numel(), -1)[:, :k]
+
+
+def panel_corrections_i8(panels: torch.Tensor) -> torch.Tensor:
+    """-128 x each column's code sums per group of INT8_GROUP k, [panels, groups, 16] int32: the
+    start of vpdpbusd's group sums (x is stored as q + 128), which are then exact."""
+    p, quads = panels.shape[:2]
+    groups = quads * 4 // INT8_GROUP
+    sums = panels.view(p, groups, INT8_GROUP // 4, PANEL, 4).sum((2, 4), dtype=torch.int32)
+    return (sums * -128).contiguous()
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,17 +209,22 @@ class WeightOnlyLinear:
         # From MKL_MIN_ROWS rows on, int8 weights (as bf16 codes x scales) go to oneDNN's bf16
         # GEMM there: x and the output rounded to bf16.
         self.bf16_gemm = stored_dtype == torch.int8 and kernel.bf16_dot
-        # w8a8 (`int8_x`): below MKL_MIN_ROWS rows, x is quantized to int8 per group of
-        # INT8_GROUP values (symmetric) and the integer dot product (kernel.int8_dot) runs on the
-        # stored codes. vpdpbusd (avx512) takes x as unsigned bytes: -128 x the weight's group
-        # sums (`row_sums`), computed here once, undo that offset; vpmaddubsw's sign trick
-        # (avx2) needs none, so there they are never computed.
+        # w8a8 (`int8_x`): x is quantized to int8 per group of INT8_GROUP values (symmetric)
+        # and the integer dot product (kernel.int8_dot) runs on the stored codes. vpdpbusd
+        # (avx512) takes x as unsigned bytes: -128 x the weight's group sums (`row_sums`),
+        # computed here once, undo that offset; there the codes are kept in panels
+        # (`pack_panels_i8`, `i8_panels`), the one copy every row count multiplies. vpmaddubsw's
+        # sign trick (avx2) needs no corrections, and there x is quantized below MKL_MIN_ROWS
+        # rows only (float32 tiles through at::mm from there).
         self.row_sums: torch.Tensor | None = None
         if int8_activations and stored_dtype != torch.int8:
             raise ValueError("int8_activations needs int8 weights")
         self.int8_x = int8_activations and bool(kernel.int8_dot)
-        if self.int8_x and kernel.int8_dot == "vpdpbusd":
-            self.row_sums = int8_group_corrections(self.weight)
+        self.i8_panels = self.int8_x and kernel.int8_dot == "vpdpbusd"
+        if self.i8_panels:
+            self.weight = pack_panels_i8(self.weight)
+            self.row_sums = panel_corrections_i8(self.weight)
+            self.bf16_gemm = False
 
     @property
     def bf16_x_min_rows(self) -> int | None:
@@ -211,6 +233,8 @@ class WeightOnlyLinear:
         avx512 variant, MKL_MIN_ROWS where only the oneDNN GEMM does."""
         if self.bf16_products:
             return 1
+        if self.i8_panels:
+            return None
         if not self.int8_x and self.scale is not None and self.bf16_gemm:
             return INT8_BF16_MIN_ROWS
         return MKL_MIN_ROWS if self.bf16_gemm else None
@@ -235,8 +259,10 @@ class WeightOnlyLinear:
         ops = torch.ops.inferlab
         if self.bf16_products:
             return ops.linear_panels(x, self.weight, self.out_features, self.bias)
+        if self.i8_panels:
+            return ops.linear_panels_i8(x, self.weight, self.row_sums, self.scale, self.out_features, self.bias)
         if self.scale is not None:
-            return ops.linear_w8(x, self.weight, self.scale, self.bias, MKL_MIN_ROWS, self.row_sums, self.int8_x)
+            return ops.linear_w8(x, self.weight, self.scale, self.bias, MKL_MIN_ROWS, self.int8_x)
         return ops.linear_w16(x, self.weight, self.bias, MKL_MIN_ROWS)
 
     def product_bf16(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -253,20 +279,26 @@ class WeightOnlyLinear:
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return linear(x, self.dequantized(x.dtype), bias)
 
+    def codes(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The stored values as an [N, K] matrix (int8 codes, or 16-bit weights), or its rows
+        `ids`, whichever layout holds them."""
+        n, k = self.out_features, self.in_features
+        if self.bf16_products:
+            return unpack_panels(self.weight, n, k, ids)
+        if self.i8_panels:
+            return unpack_panels_i8(self.weight, n, k, ids)
+        return self.weight if ids is None else self.weight.index_select(0, ids)
+
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as the products see it: codes x scales for int8, the 16-bit values as is."""
-        if self.bf16_products:
-            return unpack_panels(self.weight, self.out_features, self.in_features).to(dtype)
         if self.scale is None:
-            return self.weight.to(dtype)
-        return (self.weight.float() * self.scale[:, None]).to(dtype)
+            return self.codes().to(dtype)
+        return (self.codes().float() * self.scale[:, None]).to(dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows in the compute dtype: an embedding lookup from the stored table, so a
         tied embedding needs no second, full-precision copy."""
-        if self.bf16_products:
-            return unpack_panels(self.weight, self.out_features, self.in_features, ids).to(self.compute_dtype)
-        r = self.weight.index_select(0, ids).to(self.compute_dtype)
+        r = self.codes(ids).to(self.compute_dtype)
         if self.scale is not None:
             r = r * self.scale.index_select(0, ids).to(self.compute_dtype)[:, None]
         return r
@@ -305,7 +337,7 @@ class Int4Linear(WeightOnlyLinear):
         self.bf16_products = False
         self.bf16_gemm = kernel.bf16_dot
         self.row_sums = None
-        self.int8_x = False
+        self.int8_x = self.i8_panels = False
 
     @property
     def bf16_x_min_rows(self) -> int | None:

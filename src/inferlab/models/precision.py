@@ -41,6 +41,10 @@ class ResolvedPrecision:
     # bf16 weights multiplied in bf16 with float32 sums (vdpbf16ps on the avx512
     # variant), and prefill attention the same way (models/attention.py): one decision for both.
     bf16_products: bool
+    # Prefill attention multiplies in bf16 (our flash attention, vdpbf16ps; models/attention.py):
+    # beside bf16 products, and beside w8a8, whose int8 x is coarser than bf16's rounding (in
+    # float32, torch's attention was half of a 1,024-token w8a8 prefill on Zen 5).
+    bf16_attention: bool
     device: str
     reasons: tuple[str, ...] = ()  # why a setting is not on the fastest path, one sentence each
 
@@ -52,6 +56,8 @@ class ResolvedPrecision:
     @property
     def products(self) -> str:
         """The dtype the matrix products multiply in (their sums are float32 on our kernels)."""
+        if self.int8_activations:
+            return "int8"
         return "bfloat16" if self.bf16_products else dtype_name(self.compute)
 
     def kv_bytes_per_token(self, model: ModelConfig) -> int:
@@ -63,7 +69,8 @@ class ResolvedPrecision:
         d: dict[str, object] = {
             "compute": dtype_name(self.compute), "weights": dtype_name(self.weights), "weight_mode": self.weight_mode,
             "kv_cache": dtype_name(self.kv_cache), "int8_activations": self.int8_activations,
-            "products": self.products, "bf16_products": self.bf16_products, "kernel_variant": self.kernel.variant,
+            "products": self.products, "bf16_products": self.bf16_products,
+            "bf16_attention": self.bf16_attention, "kernel_variant": self.kernel.variant,
             "uses_kernels": self.uses_kernels, "device": self.device, "reasons": list(self.reasons),
         }
         if model is not None:
@@ -160,8 +167,9 @@ def resolve_precision(
     else:
         kv = _KV_DTYPES[cache.cache_dtype]
     bf16_products = weights == torch.bfloat16 and uses_kernels and kernel.bf16_dot
-    return ResolvedPrecision(compute, weights, weight_mode, kv, kernel, uses_kernels, bf16_products, load.device,
-                             tuple(reasons))
+    bf16_attention = uses_kernels and kernel.bf16_dot and (bf16_products or weight_mode == "w8a8")
+    return ResolvedPrecision(compute, weights, weight_mode, kv, kernel, uses_kernels, bf16_products, bf16_attention,
+                             load.device, tuple(reasons))
 
 
 def cpu_has_native_bf16() -> bool:

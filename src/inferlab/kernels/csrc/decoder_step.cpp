@@ -24,8 +24,8 @@
 // torch.classes.inferlab.DecoderStep(layer_tensors, final_norm, cos, sin, k_caches, v_caches,
 //                                    [H, kvH, D, block_size(, int8_activations)], eps, attn_scale)
 //   int8_activations (default 0): int8 weights multiply x quantized per 64 values by the integer
-//     dot product (matvec.h's row_products_i8: vpdpbusd on AVX-512, vpmaddubsw on AVX2), else
-//     float32 products of the codes.
+//     dot product (w8a8: codes in panels by vpdpbusd on AVX-512, matvec.h's panel_products_i8;
+//     in rows by vpmaddubsw on AVX2, row_products_i8), else float32 products of the codes.
 //   layer_tensors: 13 per layer, in order: input_norm, qkv_w, qkv_scale, qkv_bias, q_norm, k_norm,
 //     o_w, o_scale, post_norm, gate_up_w, gate_up_scale, down_w, down_scale; an empty tensor
 //     (numel 0) for one the model does not have. Weights: one dtype for all (float32, float16,
@@ -72,12 +72,13 @@ constexpr int64_t kTensorsPerLayer = 13;
 constexpr int64_t kSharedNormRows = 4;  // from this many rows on, a norm is split (and ends in a barrier)
 
 struct Linear {
-  at::Tensor w, scale_t, bias_t, wsum_t;  // scale / bias undefined when absent; wsum: int8 with vpdpbusd
+  at::Tensor w, scale_t, bias_t;          // scale / bias undefined when absent
   at::Tensor panels;                      // bf16 weights packed in panels (matvec.h), where the step uses them
+  at::Tensor i8_panels, corr_t;           // w8a8 codes in panels and their group corrections (panel_products_i8)
+  const int32_t* corr = nullptr;
   const float* scale = nullptr;
   const float* bias = nullptr;
-  bool int8_x = false;            // int8 weights times x quantized per 64 values (row_products_i8)
-  const int32_t* wsum = nullptr;  // their group corrections where kI8Corrections (vpdpbusd), computed once here
+  bool int8_x = false;            // int8 weights times x quantized per 64 values (w8a8)
   const uint16_t* dm = nullptr;   // 4-bit weights' float16 (d, m) pairs (w is then uint8 codes)
   int64_t n = 0, k = 0;
 };
@@ -117,12 +118,15 @@ struct Work {
   std::vector<float> cols2;  // M * task width: the up half of gate/up
   inferlab_attention::Scratch attn;
   inferlab_q4::Q4X q4x;      // x quantized for 4-bit weights
-  // x rounded to bf16 for bf16 panels, once per phase and thread: a phase's tasks (15 heads of
-  // qkv, gate and up) all multiply the same x, and converting it per task cost ~2 ms of a
-  // 32-row step. `phase` counts the phases this thread entered; xb holds `xb_src` as of `xb_phase`.
+  // x rounded to bf16 for bf16 panels (xb), or quantized per 64 values for w8a8 panels (xq, sx),
+  // once per phase and thread: a phase's tasks (15 heads of qkv, gate and up) all multiply the
+  // same x, and converting it per task cost ~2 ms of a 32-row step. `phase` counts the phases
+  // this thread entered; xb / xq hold `x_src` as of `x_phase`.
   std::vector<uint16_t> xb;
-  const float* xb_src = nullptr;
-  int64_t xb_phase = -1, phase = 0;
+  std::vector<uint8_t> xq;
+  std::vector<float> sx;
+  const float* x_src = nullptr;
+  int64_t x_phase = -1, phase = 0;
 };
 
 at::Tensor present(const at::Tensor& t) { return t.numel() > 0 ? t : at::Tensor(); }
@@ -167,16 +171,16 @@ class DecoderStep : public torch::CustomClassHolder {
       ly.k_norm = present(t[5]);
       ly.o = linear(t[6], t[7], at::Tensor(), hidden_, heads_ * head_dim_, "o", int8_x);
       ly.post_norm = t[8];
-      // 2 x the intermediate size: gate_up's rows, or for panels (bf16, [N / 16, K / 2, 16, 2])
-      // twice down's K (down's panels hold K rounded up to even: an odd size is refused below).
-      const int64_t two_i = t[9].dim() == 2 ? t[9].size(0) : t[9].dim() == 4 && t[11].dim() == 4 ? 4 * t[11].size(1) : 0;
+      // 2 x the intermediate size: gate_up's rows, or for panels 16 x its panels (a size not of
+      // 16, whose last panel is partly padding, is refused below).
+      const int64_t two_i = t[9].dim() == 2 ? t[9].size(0) : t[9].dim() == 4 ? kPanel * t[9].size(0) : 0;
       TORCH_CHECK_VALUE(two_i > 0 && two_i % 2 == 0, "DecoderStep: gate_up must have an even number of rows");
       ly.gate_up = linear(t[9], t[10], at::Tensor(), two_i, hidden_, "gate_up", int8_x);
       ly.down = linear(t[11], t[12], at::Tensor(), hidden_, two_i / 2, "down", int8_x);
       for (const Linear* lin : {&ly.qkv, &ly.o, &ly.gate_up, &ly.down})
-        TORCH_CHECK_VALUE(!lin->panels.defined() || panel_layout(two_i / 2), "DecoderStep: bf16 weights in panels "
-                          "need head_dim and the intermediate size to be multiples of ", kPanel,
-                          " and the AVX-512 BF16 variant");
+        TORCH_CHECK_VALUE((!lin->panels.defined() && !lin->i8_panels.defined()) || panel_layout(two_i / 2),
+                          "DecoderStep: weights in panels need head_dim and the intermediate size to be multiples "
+                          "of ", kPanel, " and the AVX-512 variant");
       check_f32(ly.input_norm, "input_norm");
       check_f32(ly.post_norm, "post_norm");
       TORCH_CHECK_VALUE(ly.input_norm.numel() == hidden_ && ly.post_norm.numel() == hidden_,
@@ -278,6 +282,7 @@ class DecoderStep : public torch::CustomClassHolder {
                        const char* name, bool int8_x) {
     const auto dt = w.scalar_type();
     if (dt == at::kByte) return linear_q4(w, scale, bias, n, k, name);
+    if (w.dim() == 4 && dt == at::kChar) return linear_panels_i8(w, scale, bias, n, k, name, int8_x);
     if (w.dim() == 4) return linear_panels(w, bias, n, k, name);
     TORCH_CHECK_VALUE(w.dim() == 2 && w.is_contiguous() && w.size(0) == n && w.size(1) == k, "DecoderStep: ",
                       name, " weight must be a contiguous [", n, ", ", k, "] matrix, got ", w.sizes());
@@ -299,18 +304,17 @@ class DecoderStep : public torch::CustomClassHolder {
     lin.scale = lin.scale_t.defined() ? lin.scale_t.data_ptr<float>() : nullptr;
     lin.bias = lin.bias_t.defined() ? lin.bias_t.data_ptr<float>() : nullptr;
     lin.int8_x = dt == at::kChar && int8_x;
-    if (lin.int8_x && kI8Corrections) {  // once, at set-up: vpdpbusd's offset correction (matvec.h)
-      lin.wsum_t = i8_group_corrections(w);
-      lin.wsum = lin.wsum_t.data_ptr<int32_t>();
-    }
+    TORCH_CHECK_VALUE(!lin.int8_x || !kI8Panels, "DecoderStep: ", name, " w8a8 codes on this variant come in "
+                      "panels (kernels/linear.py pack_panels_i8), not as an [n, k] matrix");
     return lin;
   }
 
-  // Whether bf16 weights in panels can go through panel_products_bf16: this variant has
-  // vdpbf16ps, and every task's first column is a panel's (heads of D columns, gate and up
-  // halves of `inter` each, column ranges of 16).
+  // Whether weights in panels can go through panel_products_bf16 / _i8: this variant has
+  // vdpbf16ps and vpdpbusd, and every task's first column is a panel's (heads of D columns, gate
+  // and up halves of `inter` each, column ranges of 16).
   bool panel_layout(int64_t inter) const {
 #if defined(__AVX512BF16__)
+    static_assert(kI8Panels, "the AVX-512 variant has both panel kinds");
     return head_dim_ % kPanel == 0 && inter % kPanel == 0;
 #else
     (void)inter;
@@ -337,6 +341,32 @@ class DecoderStep : public torch::CustomClassHolder {
     Linear lin;
     lin.w = w, lin.panels = w, lin.n = n, lin.k = k;
     set_bias(lin, bias, n, name);
+    return lin;
+  }
+
+  // w8a8 codes in panels (kernels/linear.py pack_panels_i8 of [n, k]), per-column float32 scales,
+  // bias float32 or absent; the group corrections computed here, once.
+  static Linear linear_panels_i8(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& bias, int64_t n,
+                                 int64_t k, const char* name, bool int8_x) {
+    TORCH_CHECK_VALUE(int8_x && kI8Panels, "DecoderStep: ", name, " int8 codes in panels are w8a8's "
+                      "(int8_activations), on the AVX-512 variant");
+    const int64_t panels = (n + kPanel - 1) / kPanel, quads = i8_groups(k) * kI8Group / 4;
+    TORCH_CHECK_VALUE(w.is_contiguous() && w.size(0) == panels && w.size(1) == quads && w.size(2) == kPanel &&
+                          w.size(3) == 4,
+                      "DecoderStep: ", name, " int8 panels must be contiguous [", panels, ", ", quads, ", ", kPanel,
+                      ", 4], got ", w.sizes());
+    Linear lin;
+    lin.w = w, lin.i8_panels = w, lin.n = n, lin.k = k, lin.int8_x = true;
+    lin.scale_t = present(scale);
+    TORCH_CHECK_VALUE(lin.scale_t.defined() && lin.scale_t.scalar_type() == at::kFloat &&
+                          lin.scale_t.is_contiguous() && lin.scale_t.numel() == n,
+                      "DecoderStep: ", name, " int8 panels need float32 scales of ", n, " columns");
+    lin.scale = lin.scale_t.data_ptr<float>();
+    set_bias(lin, bias, n, name);
+    // kernels/linear.py panel_corrections_i8: -128 x each column's code sums per group
+    lin.corr_t = w.view({panels, quads * 4 / kI8Group, kI8Group / 4, kPanel, 4})
+                     .sum({2, 4}, false, at::kInt).mul_(-128).contiguous();
+    lin.corr = lin.corr_t.data_ptr<int32_t>();
     return lin;
   }
 
@@ -380,10 +410,10 @@ class DecoderStep : public torch::CustomClassHolder {
       if constexpr (std::is_same_v<T, at::BFloat16>) {
         if (lin.panels.defined()) {
           const int64_t kp = panel_k(lin.k);
-          if (wk.xb_src != in || wk.xb_phase != wk.phase) {
+          if (wk.x_src != in || wk.x_phase != wk.phase) {
             wk.xb.resize(std::max<size_t>(wk.xb.size(), m * kp));
             x_to_bf16_rows(in, m, lin.k, wk.xb.data());
-            wk.xb_src = in, wk.xb_phase = wk.phase;
+            wk.x_src = in, wk.x_phase = wk.phase;
           }
           panel_products_bf16(wk.xb.data(), kp, m, lin.k, lin.panels.data_ptr<at::BFloat16>(), r0, rows, lin.scale,
                               lin.bias, y, ldy);
@@ -391,12 +421,29 @@ class DecoderStep : public torch::CustomClassHolder {
         }
       }
 #endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
       if constexpr (std::is_same_v<T, int8_t>) {
-        if (lin.int8_x) {
-          row_products_i8(in, m, lin.k, lin.w.data_ptr<int8_t>(), lin.wsum, r0, rows, lin.scale, lin.bias, y, ldy);
+        if (lin.i8_panels.defined()) {
+          const int64_t groups = i8_groups(lin.k);
+          if (wk.x_src != in || wk.x_phase != wk.phase) {
+            wk.xq.resize(std::max<size_t>(wk.xq.size(), m * groups * kI8Group));
+            wk.sx.resize(std::max<size_t>(wk.sx.size(), m * groups));
+            quantize_rows_u8(in, m, lin.k, wk.xq.data(), wk.sx.data());
+            wk.x_src = in, wk.x_phase = wk.phase;
+          }
+          panel_products_i8(wk.xq.data(), wk.sx.data(), m, lin.k, lin.i8_panels.data_ptr<int8_t>(), lin.corr, r0, rows,
+                            lin.scale, lin.bias, y, ldy);
           return;
         }
       }
+#else
+      if constexpr (std::is_same_v<T, int8_t>) {
+        if (lin.int8_x) {
+          row_products_i8(in, m, lin.k, lin.w.data_ptr<int8_t>(), r0, rows, lin.scale, lin.bias, y, ldy);
+          return;
+        }
+      }
+#endif
       row_products(in, m, lin.k, lin.w.data_ptr<T>(), r0, rows, lin.scale, lin.bias, wk.buf.data(), wk.dots.data(),
                    y, ldy);
     }

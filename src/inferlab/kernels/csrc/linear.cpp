@@ -19,13 +19,12 @@
 //   linear_w16(Tensor x, Tensor w, Tensor? bias=None, int mkl_min_rows=128) -> Tensor
 //       w: float16 or bfloat16 [N, K]
 //   linear_w8(Tensor x, Tensor w, Tensor scale, Tensor? bias=None, int mkl_min_rows=128,
-//             Tensor? row_sums=None, bool int8_x=False) -> Tensor
+//             bool int8_x=False) -> Tensor
 //       w: int8 [N, K], codes in [-127, 127], scale: float32 [N]; y = (x @ w^T) * scale (+ bias).
-//       int8_x (weight_dtype w8a8): below mkl_min_rows rows, x is quantized per group of 64 to
-//       int8 and the integer dot product runs on the codes (matvec.h's row_products_i8:
-//       vpdpbusd on AVX-512, vpmaddubsw on AVX2); else float32 products. row_sums: given exactly
-//       when int8_x on the AVX-512 variant (int32 [N, ceil(K / 64)]: -128 x w's sums per group of
-//       64, int8_group_corrections, vpdpbusd's offset); the AVX2 variant needs none.
+//       int8_x (weight_dtype w8a8, the AVX2 variant): below mkl_min_rows rows, x is quantized per
+//       group of 64 to int8 and the integer dot product (vpmaddubsw) runs on the codes
+//       (matvec.h's row_products_i8); else float32 products. The AVX-512 variant keeps w8a8's
+//       codes in panels: linear_panels_i8.
 //   linear_w4(Tensor x, Tensor codes, Tensor dm, Tensor? bias=None, int mkl_min_rows=128) -> Tensor
 //       4-bit group-wise weights (q4.h's format): codes uint8 [N, K / 2], dm float16 [N, K / 32, 2].
 //       Below mkl_min_rows rows x is quantized per group of 32 to int8 and the integer dot
@@ -37,6 +36,11 @@
 //       vdpbf16ps: x (float32 or bf16) rounded to bf16, float32 sums, the output float32 or
 //       rounded to bf16. Many rows go 64 at a time over the weights (kPanelRowBlock); against
 //       oneDNN's bf16 GEMM on the [N, K] matrix: 0.9-1.0x at 512 rows, and one copy of the weights.
+//   linear_panels_i8(Tensor x, Tensor panels, Tensor corr, Tensor scale, int n, Tensor? bias=None) -> Tensor
+//       (AVX-512 VNNI variant only) w8a8: int8 codes as kernels/linear.py's pack_panels_i8 stores
+//       them ([ceil(n / 16), ceil(K / 64) * 16, 16, 4]), corr their group corrections
+//       (panel_corrections_i8, int32 [ceil(n / 16), ceil(K / 64), 16]), scale float32 [n]: x
+//       quantized per group of 64 and vpdpbusd at every row count, 64 rows a pass over the weights.
 // x may have any leading dimensions ([..., K] -> [..., N]).
 
 #include <ATen/ATen.h>
@@ -84,17 +88,18 @@ const float* vector_or_null(const std::optional<at::Tensor>& v, int64_t n, const
 }
 
 // The decode path: y = x @ w^T (* scale) (+ bias) with our micro-kernel; int8_x takes int8 weights
-// to the integer dot product (row_products_i8, with wsum, their group corrections, where
-// kI8Corrections).
+// to the integer dot product (row_products_i8, the AVX2 variant's w8a8).
 template <typename T>
 void small_m(const float* x, int64_t M, int64_t K, const T* w, int64_t N, const float* scale, const float* bias,
-             float* y, bool int8_x = false, const int32_t* wsum = nullptr) {
+             float* y, bool int8_x = false) {
   const int64_t blocks = (N + kRowsW - 1) / kRowsW;
   auto run = [&](int64_t b0, int64_t b1, std::vector<float>& buf, std::vector<float>& out) {
     const int64_t n0 = b0 * kRowsW, n1 = std::min(N, b1 * kRowsW);
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__))
     if constexpr (std::is_same_v<T, int8_t>) {
-      if (int8_x) return row_products_i8(x, M, K, w, wsum, n0, n1 - n0, scale, bias, y + n0, N);
+      if (int8_x) return row_products_i8(x, M, K, w, n0, n1 - n0, scale, bias, y + n0, N);
     }
+#endif
     row_products(x, M, K, w, n0, n1 - n0, scale, bias, buf.data(), out.data(), y + n0, N);
   };
   for_block_chunks(blocks, [&](int64_t b0, int64_t b1) {
@@ -168,8 +173,7 @@ void large_m(const at::Tensor& x2, const T* w, int64_t N, int64_t K, const float
 }
 
 at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale,
-                       const std::optional<at::Tensor>& bias, int64_t mkl_min_rows, bool int8_x = false,
-                       const int32_t* wsum = nullptr) {
+                       const std::optional<at::Tensor>& bias, int64_t mkl_min_rows, bool int8_x = false) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "inferlab linear: x must be float32, got ", x.scalar_type());
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "inferlab linear: w must be a contiguous [N, K] matrix");
   TORCH_CHECK(x.dim() >= 1, "inferlab linear: x must have at least one dimension");
@@ -213,8 +217,7 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, const std::opti
       })
       AT_DISPATCH_CASE(at::kChar, [&] {
         if (big) large_m(x2, w.data_ptr<int8_t>(), N, K, scale_p, bias, y);
-        else small_m(x2.data_ptr<float>(), M, K, w.data_ptr<int8_t>(), N, scale_p, bias_p, y.data_ptr<float>(), int8_x,
-                     wsum);
+        else small_m(x2.data_ptr<float>(), M, K, w.data_ptr<int8_t>(), N, scale_p, bias_p, y.data_ptr<float>(), int8_x);
       })
     );
   }
@@ -228,10 +231,11 @@ at::Tensor linear_w16(const at::Tensor& x, const at::Tensor& w, const std::optio
   return linear_impl(x, w, std::nullopt, bias, mkl_min_rows);
 }
 
-#if defined(__AVX512BF16__)
 // Rows of x per pass over the weights when x has many: 64 bf16 rows of SmolLM2's K stay in L2
 // beside a column tile's panels (at 512 rows, one pass over all of them ran 5-15% slower).
 constexpr int64_t kPanelRowBlock = 64;
+
+#if defined(__AVX512BF16__)
 
 at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t n,
                          const std::optional<at::Tensor>& bias, bool out_bf16) {
@@ -282,22 +286,58 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t 
 
 #endif
 
-at::Tensor linear_w8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                     const std::optional<at::Tensor>& bias, int64_t mkl_min_rows,
-                     const std::optional<at::Tensor>& row_sums, bool int8_x) {
-  TORCH_CHECK(w.scalar_type() == at::kChar, "inferlab linear_w8: w must be int8, got ", w.scalar_type());
-  const int32_t* wsum = nullptr;
-  if (int8_x && kI8Corrections) {
-    TORCH_CHECK(row_sums.has_value() && row_sums->scalar_type() == at::kInt && row_sums->is_contiguous() &&
-                    row_sums->numel() == w.size(0) * i8_groups(w.size(1)),
-                "inferlab linear_w8: int8_x on this variant (vpdpbusd) needs row_sums, contiguous int32 [",
-                w.size(0), ", ", i8_groups(w.size(1)), "] (i8_group_corrections)");
-    wsum = row_sums->data_ptr<int32_t>();
-  } else {
-    TORCH_CHECK(!row_sums.has_value(), "inferlab linear_w8: row_sums are vpdpbusd's corrections for int8_x; ",
-                int8_x ? "this variant (vpmaddubsw) takes none" : "int8_x is off");
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+at::Tensor linear_panels_i8(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& corr,
+                            const at::Tensor& scale, int64_t n, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "inferlab linear_panels_i8: x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1, "inferlab linear_panels_i8: x must have at least one dimension");
+  const int64_t K = x.size(-1), groups = i8_groups(K), np = (n + kPanel - 1) / kPanel;
+  TORCH_CHECK(panels.scalar_type() == at::kChar && panels.dim() == 4 && panels.is_contiguous() && n > 0 &&
+                  panels.size(0) == np && panels.size(1) == groups * kI8Group / 4 && panels.size(2) == kPanel &&
+                  panels.size(3) == 4,
+              "inferlab linear_panels_i8: panels must be contiguous int8 [", np, ", ", groups * kI8Group / 4, ", ",
+              kPanel, ", 4] (pack_panels_i8 of ", n, " x ", K, " codes), got ", panels.sizes());
+  TORCH_CHECK(corr.scalar_type() == at::kInt && corr.is_contiguous() && corr.numel() == np * groups * kPanel,
+              "inferlab linear_panels_i8: corr must be contiguous int32 [", np, ", ", groups, ", ", kPanel,
+              "] (panel_corrections_i8)");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() >= n,
+              "inferlab linear_panels_i8: scale must be a contiguous float32 vector of ", n, " values");
+  const float* bias_p = vector_or_null(bias, n, "linear_panels_i8", "bias");
+  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0), ldx = groups * kI8Group;
+  std::vector<int64_t> out_sizes(x.sizes().begin(), x.sizes().end());
+  out_sizes.back() = n;
+  at::Tensor y = at::empty({M, n}, x.options());
+  if (M == 0) return y.view(out_sizes);
+  at::Tensor xq = at::empty({M, ldx}, x.options().dtype(at::kByte));
+  at::Tensor sx = at::empty({M, groups}, x.options());
+  const float* xp = x2.data_ptr<float>();
+  uint8_t* qp = xq.data_ptr<uint8_t>();
+  float* sp = sx.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    quantize_rows_u8(xp + m0 * K, m1 - m0, K, qp + m0 * ldx, sp + m0 * groups);
+  });
+  const int8_t* wp = panels.data_ptr<int8_t>();
+  const int32_t* cp = corr.data_ptr<int32_t>();
+  const float* scp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t m0 = 0; m0 < M; m0 += kPanelRowBlock) {
+    const int64_t mm = std::min(kPanelRowBlock, M - m0);
+    for_block_chunks(np, [&](int64_t p0, int64_t p1) {
+      const int64_t c0 = p0 * kPanel, c1 = std::min(n, p1 * kPanel);
+      panel_products_i8(qp + m0 * ldx, sp + m0 * groups, mm, K, wp, cp, c0, c1 - c0, scp, bias_p, yp + m0 * n + c0, n);
+    }, kPanelsPerTileI8);
   }
-  return linear_impl(x, w, scale, bias, mkl_min_rows, int8_x, wsum);
+  return y.view(out_sizes);
+}
+#endif
+
+at::Tensor linear_w8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                     const std::optional<at::Tensor>& bias, int64_t mkl_min_rows, bool int8_x) {
+  TORCH_CHECK(w.scalar_type() == at::kChar, "inferlab linear_w8: w must be int8, got ", w.scalar_type());
+  TORCH_CHECK(!int8_x || !kI8Panels, "inferlab linear_w8: int8_x (w8a8) on this variant multiplies codes in "
+              "panels: linear_panels_i8");
+  return linear_impl(x, w, scale, bias, mkl_min_rows, int8_x);
 }
 
 at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& dm,
@@ -330,10 +370,13 @@ at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 TORCH_LIBRARY_FRAGMENT(inferlab, m) {
   m.def("linear_w16(Tensor x, Tensor w, Tensor? bias=None, int mkl_min_rows=128) -> Tensor");
   m.def("linear_w8(Tensor x, Tensor w, Tensor scale, Tensor? bias=None, int mkl_min_rows=128, "
-        "Tensor? row_sums=None, bool int8_x=False) -> Tensor");
+        "bool int8_x=False) -> Tensor");
   m.def("linear_w4(Tensor x, Tensor codes, Tensor dm, Tensor? bias=None, int mkl_min_rows=128) -> Tensor");
 #if defined(__AVX512BF16__)
   m.def("linear_panels(Tensor x, Tensor panels, int n, Tensor? bias=None, bool out_bf16=False) -> Tensor");
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+  m.def("linear_panels_i8(Tensor x, Tensor panels, Tensor corr, Tensor scale, int n, Tensor? bias=None) -> Tensor");
 #endif
 }
 
@@ -343,5 +386,8 @@ TORCH_LIBRARY_IMPL(inferlab, CPU, m) {
   m.impl("linear_w4", &linear_w4);
 #if defined(__AVX512BF16__)
   m.impl("linear_panels", &linear_panels);
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+  m.impl("linear_panels_i8", &linear_panels_i8);
 #endif
 }

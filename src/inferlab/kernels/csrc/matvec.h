@@ -459,30 +459,19 @@ inline void row_products(const float* x, int64_t M, int64_t K, const int8_t* w, 
 // within 1-2 tokens on 3 of 4 prompts. Each group's integer sum dot_g(q, w) is exact, and the
 // same on both variants; y = sum_g dot_g * s_g (float32) * w's row scale.
 //
-// row_products_i8(x, M, K, w, corr, r0, rows, scale, bias, y, ldy), one contract on both
-// variants: y[i * ldy + r] = (x row i . w row r0 + r, x quantized per group) * scale[r0 + r]
-// + bias[r0 + r] (bias may be null). corr: the per-group corrections vpdpbusd needs
-// (i8_group_corrections, [N, i8_groups(K)] int32) where kI8Corrections, else unused (null):
-// whoever prepares the weights computes them once, or not, from kI8Corrections.
+// The two variants lay the codes out differently: the AVX-512 one in panels of 16 output
+// columns (panel_products_i8, kI8Panels), the AVX2 one in rows (row_products_i8).
 
 constexpr int64_t kI8Group = 64;  // k values per group = bytes per vpdpbusd
 
 inline int64_t i8_groups(int64_t K) { return (K + kI8Group - 1) / kI8Group; }
 
-// corr for vpdpbusd's row_products_i8: -128 x each group's sum of w's codes, [N, i8_groups(K)] int32.
-inline at::Tensor i8_group_corrections(const at::Tensor& w) {
-  const int64_t n = w.size(0), k = w.size(1), g = i8_groups(k);
-  at::Tensor padded = at::constant_pad_nd(w, {0, g * kI8Group - k}, 0);
-  return padded.view({n, g, kI8Group}).sum(-1, false, at::kInt).mul_(-128).contiguous();
-}
-
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-// -- the AVX-512 variant: vpdpbusd --
+// -- the AVX-512 variant: vpdpbusd, the codes in panels --
 // vpdpbusd multiplies unsigned by signed bytes, so x is stored as u = q + 128, and
 // dot(u, w) = dot(q, w) + 128 * sum(w_group): the weight's per-group sums, times -128, computed
 // once at load (`corr`), start each group's integer sum, which is then exact.
-constexpr bool kI8Corrections = true;
-constexpr int kRowsXI8 = 4;  // 4 x 4 float sums + 4 weights + 4 corrections: 28 of 32 zmm
+constexpr bool kI8Panels = true;
 
 // One row of x as u8 codes, padded to whole groups with 128 (q = 0), and its group scales.
 inline void quantize_row_u8(const float* x, int64_t K, uint8_t* dst, float* scales) {
@@ -514,86 +503,120 @@ inline void quantize_row_u8(const float* x, int64_t K, uint8_t* dst, float* scal
   }
 }
 
-// out[i][j] = sum_g dot_g(q row i, w row j) * sx[i][g] for MB rows of u8 x (stride ldx, scales
-// sx + i * groups) and NB (4 or 1) rows of int8 w (stride ldw, corrections corr + j * groups);
-// the weight's tail past K is masked to zero.
-template <int MB, int NB>
-inline void dot_tile_i8(const uint8_t* x, int64_t ldx, const float* sx, const int8_t* w, int64_t ldw,
-                        const int32_t* corr, int64_t K, bool stream, float out[][kRowsW]) {
+// ---- w8a8 in panels of 16 output columns (vpdpbusd's layout) --------------------------------
+// Why: in rows (as the AVX2 variant keeps them), every group of every (x row, weight row) pair
+// ends in a convert and an FMA and every output in a horizontal reduction: ~3 instructions per
+// 64 products, which left w8a8 slower than bf16 panels once a step had many rows (32 streams,
+// prefill). Packed as bf16's panels are, a zmm of codes holds 16 output columns x 4 consecutive
+// k (vpdpbusd's quads), and x's 4 codes of that quad broadcast to all lanes make 16 outputs'
+// partial sums at once: 64 products per instruction, the int32 sums of a group of 64 k
+// converted and scaled once per 16 of them. SmolLM2's layer shapes, 2 threads: 1,150 GOP/s at
+// 32 rows and 1,400 at 512 against bf16 panels' 710 and 810 (the rows' int8: 520-570). Panel p holds columns 16p .. 16p + 15 as [Kq / 4][16][4] int8 (Kq = K rounded up to
+// whole groups of 64, zero past K), contiguous: one linear stream (kernels/linear.py
+// pack_panels_i8). corr: -128 x each column's code sums per group, [panels, groups, 16] int32
+// (x is stored as u = q + 128: vpdpbusd multiplies unsigned by signed bytes), the start of each
+// group's sums, which are then exact.
+constexpr int kPanelRowsXI8 = 4;    // rows of x per tile: 4 x 3 int32 + 4 x 3 float sums, 3 weights, 1 broadcast
+constexpr int kPanelsPerTileI8 = 3;
+
+// x (M x K float32, contiguous) as u8 codes, M rows of stride i8_groups(K) * 64, and its group
+// scales (M x groups): quantize_row_u8 per row.
+inline void quantize_rows_u8(const float* x, int64_t M, int64_t K, uint8_t* dst, float* scales) {
   const int64_t groups = i8_groups(K);
-  const char* pf = reinterpret_cast<const char*>(w) + kPrefetchBytes;
+  for (int64_t i = 0; i < M; ++i) quantize_row_u8(x + i * K, K, dst + i * groups * kI8Group, scales + i * groups);
+}
+
+// y[i * ldy + 16j + c] = (sum_g dot_g(q row i, panel j's column c) * sx[i][g]) * scale + bias
+// (bias may be null) for MB rows of u8 x (stride ldx = groups * 64, scales sx + i * groups) and
+// NB panels from wp on; the last panel stores `last` <= 16 columns. `stream`: the panels come
+// from memory (prefetched ahead).
+template <int MB, int NB>
+inline void panel_tile_i8(const uint8_t* x, int64_t ldx, const float* sx, int64_t groups, const int8_t* wp,
+                          const int32_t* corr, bool stream, const float* scale, const float* bias, int last, float* y,
+                          int64_t ldy) {
+  constexpr int64_t kAhead = kPrefetchBytes / NB;  // bytes ahead in each panel's stream
+  const int64_t ps = kPanel * groups * kI8Group;   // bytes per panel
   __m512 acc[MB][NB];
 #pragma GCC unroll 4
   for (int i = 0; i < MB; ++i)
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const int64_t k = g * kI8Group;
-    __m512i wv[NB], c0[NB];
-    if (k + kI8Group <= K) {
-      if (stream) {
+    __m512i s[MB][NB];
 #pragma GCC unroll 4
-        for (int c = 0; c < NB * 64; c += 64) _mm_prefetch(pf + k * NB + c, _MM_HINT_T0);
+    for (int j = 0; j < NB; ++j) {
+      const __m512i c = _mm512_loadu_si512(corr + (j * groups + g) * kPanel);
+#pragma GCC unroll 4
+      for (int i = 0; i < MB; ++i) s[i][j] = c;
+    }
+    const int8_t* wg = wp + g * kI8Group * kPanel;
+    const uint8_t* xg = x + g * kI8Group;
+#pragma GCC unroll 16
+    for (int q = 0; q < kI8Group / 4; ++q) {
+      __m512i wv[NB];
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) {
+        const int8_t* src = wg + j * ps + q * 4 * kPanel;
+        if (stream) _mm_prefetch(reinterpret_cast<const char*>(src) + kAhead, _MM_HINT_T0);
+        wv[j] = _mm512_loadu_si512(src);
       }
 #pragma GCC unroll 4
-      for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(w + j * ldw + k);
-    } else {
-      const __mmask64 mask = (__mmask64{1} << (K - k)) - 1;
-      for (int j = 0; j < NB; ++j) wv[j] = _mm512_maskz_loadu_epi8(mask, w + j * ldw + k);
+      for (int i = 0; i < MB; ++i) {
+        int32_t quad;
+        std::memcpy(&quad, xg + i * ldx + 4 * q, sizeof(quad));
+        const __m512i b = _mm512_set1_epi32(quad);
+#pragma GCC unroll 4
+        for (int j = 0; j < NB; ++j) s[i][j] = _mm512_dpbusd_epi32(s[i][j], b, wv[j]);
+      }
     }
 #pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) c0[j] = _mm512_zextsi128_si512(_mm_cvtsi32_si128(corr[j * groups + g]));
-#pragma GCC unroll 4
     for (int i = 0; i < MB; ++i) {
-      const __m512i xv = _mm512_loadu_si512(x + i * ldx + k);
       const __m512 sv = _mm512_set1_ps(sx[i * groups + g]);
 #pragma GCC unroll 4
-      for (int j = 0; j < NB; ++j)
-        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c0[j], xv, wv[j])), sv, acc[i][j]);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][j]), sv, acc[i][j]);
     }
   }
 #pragma GCC unroll 4
-  for (int i = 0; i < MB; ++i) {
-    if constexpr (NB == kRowsW) {
-      _mm_storeu_ps(out[i], hsum4(fold512(acc[i][0]), fold512(acc[i][1]), fold512(acc[i][2]), fold512(acc[i][3])));
-    } else {
-      for (int j = 0; j < NB; ++j) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
-    }
+  for (int j = 0; j < NB; ++j) {
+    const int cols = j == NB - 1 ? last : static_cast<int>(kPanel);
+    const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+    const __m512 sv = _mm512_maskz_loadu_ps(mask, scale + j * kPanel);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + j * kPanel) : _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int i = 0; i < MB; ++i) _mm512_mask_storeu_ps(y + i * ldy + j * kPanel, mask, _mm512_fmadd_ps(acc[i][j], sv, bv));
   }
 }
 
-// row_products_i8 by vpdpbusd (the contract above); corr: [N, i8_groups(K)], required.
-inline void row_products_i8(const float* x, int64_t M, int64_t K, const int8_t* w, const int32_t* corr, int64_t r0,
-                            int64_t rows, const float* scale, const float* bias, float* y, int64_t ldy) {
-  thread_local std::vector<uint8_t> xq;  // per thread, grown once
-  thread_local std::vector<float> sx;
-  thread_local std::vector<float> dots;
+// row_products_i8's product (below, the AVX2 variant's) for int8 codes in panels (kernels/linear.py
+// pack_panels_i8 of an [N, K] matrix, corrections `corr` [N / 16, groups, 16]) and x already quantized (xq: M rows of
+// stride groups * 64, sx: M x groups scales, quantize_rows_u8): y[i * ldy + r] for r in
+// [0, rows) of columns r0 .. , r0 a multiple of 16. Column tiles of 3 panels, each streamed from
+// memory by its first tile of x-rows; the others re-read it from cache.
+inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int64_t K, const int8_t* panels,
+                              const int32_t* corr, int64_t r0, int64_t rows, const float* scale, const float* bias,
+                              float* y, int64_t ldy) {
   const int64_t groups = i8_groups(K), ldx = groups * kI8Group;
-  if (xq.size() < static_cast<size_t>(M * ldx)) xq.resize(M * ldx);
-  if (sx.size() < static_cast<size_t>(M * groups)) sx.resize(M * groups);
-  if (dots.size() < static_cast<size_t>(M * kRowsW)) dots.resize(M * kRowsW);
-  for (int64_t i = 0; i < M; ++i) quantize_row_u8(x + i * K, K, xq.data() + i * ldx, sx.data() + i * groups);
-  for (int64_t b = 0; b < rows; b += kRowsW) {
-    const int nb = static_cast<int>(std::min<int64_t>(kRowsW, rows - b));
-    const int8_t* wp = w + (r0 + b) * K;
-    const int32_t* cp = corr + (r0 + b) * groups;
+  const int8_t* w = panels + r0 * ldx;               // panel r0 / 16
+  const int32_t* cw = corr + r0 * groups;            // its corrections
+  for (int64_t c = 0; c < rows;) {
+    const int64_t cols = std::min<int64_t>(kPanel * kPanelsPerTileI8, rows - c);
+    const int np = static_cast<int>((cols + kPanel - 1) / kPanel);
+    const int last = static_cast<int>(cols - (np - 1) * kPanel);
+    const int8_t* wp = w + c * ldx;
+    const int32_t* cp = cw + c * groups;
+    const float* sc = scale + r0 + c;
+    const float* bs = bias ? bias + r0 + c : nullptr;
     auto tile = [&](auto mb_tag, int64_t m) {
       constexpr int MB = decltype(mb_tag)::value;
-      auto* o = reinterpret_cast<float(*)[kRowsW]>(dots.data() + m * kRowsW);
-      const uint8_t* xm = xq.data() + m * ldx;
-      const float* sm = sx.data() + m * groups;
-      if (nb == kRowsW) {
-        dot_tile_i8<MB, kRowsW>(xm, ldx, sm, wp, K, cp, K, m == 0, o);
-      } else {
-        for (int j = 0; j < nb; ++j) {
-          float one[MB][kRowsW];
-          dot_tile_i8<MB, 1>(xm, ldx, sm, wp + j * K, K, cp + j * groups, K, m == 0, one);
-          for (int i = 0; i < MB; ++i) o[i][j] = one[i][0];
-        }
-      }
+      const uint8_t* xt = xq + m * ldx;
+      const float* st = sx + m * groups;
+      float* yt = y + m * ldy + c;
+      if (np == 3) panel_tile_i8<MB, 3>(xt, ldx, st, groups, wp, cp, m == 0, sc, bs, last, yt, ldy);
+      else if (np == 2) panel_tile_i8<MB, 2>(xt, ldx, st, groups, wp, cp, m == 0, sc, bs, last, yt, ldy);
+      else panel_tile_i8<MB, 1>(xt, ldx, st, groups, wp, cp, m == 0, sc, bs, last, yt, ldy);
     };
-    for_row_tiles<kRowsXI8>(M, tile);
-    store_block(dots.data(), M, nb, scale, bias, r0 + b, y + b, ldy);
+    for_row_tiles<kPanelRowsXI8>(M, tile);
+    c += cols;
   }
 }
 
@@ -610,7 +633,7 @@ inline void row_products_i8(const float* x, int64_t M, int64_t K, const int8_t* 
 // Tile: 1 row of x by 4 weight rows: 4 float sums + 4 int32 group sums + q, |q|, the ones and
 // the weight halves in flight fit the 16 ymm registers (gcc -O3: no spills); 2 rows of x by 4
 // spilled and measured no faster (Zen 5 as avx2, ~2.5 cycles per 64 products and row pair).
-constexpr bool kI8Corrections = false;
+constexpr bool kI8Panels = false;
 constexpr int kRowsXI8 = 1;
 
 // One row of x as int8 codes q and magnitudes |q|, padded to whole groups with 0 (their
@@ -719,9 +742,10 @@ inline void dot_tile_i8(const int8_t* xq, const int8_t* xa, int64_t ldx, const f
   }
 }
 
-// row_products_i8 by vpmaddubsw (the contract above); corr is unused (null).
-inline void row_products_i8(const float* x, int64_t M, int64_t K, const int8_t* w, const int32_t* /*corr*/,
-                            int64_t r0, int64_t rows, const float* scale, const float* bias, float* y, int64_t ldy) {
+// y[i * ldy + r] = (x row i . w row r0 + r, x quantized per group) * scale[r0 + r] + bias[r0 + r]
+// (bias may be null) for r in [0, rows): w8a8 on the AVX2 variant.
+inline void row_products_i8(const float* x, int64_t M, int64_t K, const int8_t* w, int64_t r0, int64_t rows,
+                            const float* scale, const float* bias, float* y, int64_t ldy) {
   thread_local std::vector<int8_t> xq, xa;  // per thread, grown once
   thread_local std::vector<float> sx;
   thread_local std::vector<float> dots;
