@@ -17,7 +17,7 @@ from inferlab.kernels.int4 import INT4
 from inferlab.models import loader
 from inferlab.models.decoder import DecoderModel
 from inferlab.models.dummy_loader import load_dummy
-from inferlab.models.precision import ResolvedPrecision, cpu_has_native_bf16, resolve_precision
+from inferlab.models.precision import ResolvedPrecision, cpu_has_native_bf16, dtype_name, resolve_precision
 from inferlab.models.testing import make_tiny_hf_model, tiny_model_config
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -74,6 +74,10 @@ def test_every_combination_resolves_as_before(variant):
         got = (p.compute, p.weights, p.kv_cache, p.int8_activations, p.uses_kernels, p.bf16_products)
         assert got == want, (dtype, wd, kd, variant, native)
         assert p.kernel is kernel and p.device == "cpu"
+        # prefill attention in bf16 beside bf16 products and beside w8a8 (its x is int8 already),
+        # where vdpbf16ps is: the avx512 variant running our kernels
+        assert p.bf16_attention == (p.uses_kernels and variant == "avx512" and (p.bf16_products or wd == "w8a8"))
+        assert p.products == ("int8" if wd == "w8a8" else "bfloat16" if p.bf16_products else dtype_name(p.compute))
         n += 1
     assert n > 100
 

@@ -96,7 +96,7 @@ class KernelInfo:
         """One line: the variant, its weight path, and why when it is not the CPU's best."""
         if not self.available:
             return f"inferlab CPU kernels: none ({self.reason}); plain torch operators"
-        path = ("bf16 weights in panels by vdpbf16ps at every row count; int8 with vpdpbusd"
+        path = ("bf16 weights in panels by vdpbf16ps, w8a8 in panels by vpdpbusd, at every row count"
                 if self.bf16_dot else "float16 / int8 weights converted in registers, float32 FMA; w8a8 with vpmaddubsw")
         extra = f" ({self.reason})" if self.reason else ""
         return f"inferlab CPU kernels: {self.variant}{extra}: {path}; CPU has {' '.join(self.cpu_flags) or '?'}"

@@ -167,6 +167,8 @@ class DecoderModel:
             how = f"our {kernel.variant} kernels"
             if self.int8_activations:
                 how += f", x quantized to int8 per 64 values, {kernel.int8_dot}"
+                if getattr(e, "i8_panels", False):
+                    how += ", codes in panels"
             elif isinstance(e, Int4Linear):
                 how += f", 4-bit codes x int8 x per 32 values, {kernel.int8_dot}"
                 if not isinstance(self.lm_head, Int4Linear):
