@@ -11,8 +11,8 @@ buckets by name; the scheduler, output processing and sampler are timed by wrapp
 dispatch, and everything no bucket names. Medians are per step.
 
 Each column also gets its roof, from this machine measured in the same run (`measure_cpu`:
-streaming read bandwidth, the matmul rate of the products the model runs: bf16 where it
-multiplies in bf16, else float32): a decode step cannot beat (weight bytes + the
+streaming read bandwidth, the matmul rate of the products the model runs: int8 for w8a8, bf16
+where it multiplies in bf16, else float32): a decode step cannot beat (weight bytes + the
 K/V bytes its sequences' contexts hold) / bandwidth, a prefill step 2 × parameters × tokens
 (+ attention's 2 × 2 × layers × heads × head dim per query-key pair) / FLOP rate. The roof is
 held against the step timed with no profiler attached ("step, no profiler", runs alternated
@@ -207,9 +207,10 @@ def main() -> None:
     }
     hw = measure_cpu(array_mib=512, repeats=5)
     # The compute roof is the rate of the products the model runs (the engine's precision):
-    # bf16 ones (oneDNN, vdpbf16ps) where it decided on bf16 products, float32 otherwise.
+    # int8 ones (oneDNN's _int_mm, VNNI) for w8a8, bf16 ones (oneDNN, vdpbf16ps) where it
+    # decided on bf16 products, float32 otherwise.
     precision = llm.engine.precision
-    rate = "bf16" if precision.bf16_products else "fp32"
+    rate = "int8" if precision.int8_activations and "int8" in hw.flops else "bf16" if precision.bf16_products else "fp32"
     roof, parts, wb = roofs(llm, hw.memory_bandwidth, hw.flops[rate], args.steps)
     print(f"model {llm.engine.model_name}, {precision.describe(llm.engine.model_config)}, weights {wb / 1e6:.0f} MB, "
           f"threads {torch.get_num_threads()}, load avg {os.getloadavg()[0]:.2f}; measured here: "

@@ -2,8 +2,8 @@
 
 Decode reads every weight once per step, so the number that matters is read bandwidth: we
 time a sum over an array much larger than the caches. Prefill is matrix products, so we
-time a bf16 and a float32 product of a 128-row activation by a square weight (the shape of
-a small batched step). torch is imported here only, lazily, so that `inferlab plan` without
+time a bf16, a float32 and an int8 product of a 128-row activation by a square weight (the
+shape of a small batched step). torch is imported here only, lazily, so that `inferlab plan` without
 `--measure-cpu` never pays for it; without torch the bandwidth falls back to numpy and the
 matmul rate to numpy float32.
 """
@@ -72,6 +72,14 @@ def measure_cpu(threads: int | None = None, array_mib: int = 512, repeats: int =
             a = torch.randn(m, k, dtype=dtype)
             b = torch.randn(k, k, dtype=dtype)
             flops[name] = work / _best_time(lambda a=a, b=b: a @ b, repeats)
+        # int8 x int8 -> int32 (oneDNN, VNNI where the CPU has it): the rate w8a8's products are
+        # held against (benchmarks/profile_step.py); absent where torch has no CPU _int_mm.
+        qa = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+        qb = torch.randint(-127, 128, (k, k), dtype=torch.int8)
+        try:
+            flops["int8"] = work / _best_time(lambda: torch._int_mm(qa, qb), repeats)
+        except (RuntimeError, AttributeError):
+            notes.append("no int8 matmul rate: torch._int_mm does not run here")
         notes.append(f"matmul: ({m}×{k}) @ ({k}×{k}) with torch, {used_threads} threads, best of {repeats}")
     else:
         import numpy as np
