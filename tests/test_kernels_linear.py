@@ -531,6 +531,26 @@ def test_w8a8_codes_are_laid_out_for_the_variants_instruction():
         assert not lin.i8_panels and lin.weight.shape == (8, 130) and lin.row_sums is None
 
 
+@pytest.mark.skipif(build.kernel_info().int8_dot != "vpdpbusd",
+                    reason=f"linear_panels_i8 is the VNNI variant's (AVX512_VNNI); this process has "
+                           f"{build.kernel_info().variant}")
+def test_linear_panels_i8_refuses_mismatched_inputs():
+    lin = WeightOnlyLinear(_weight(20, 70), torch.int8, torch.randn(20), int8_activations=True)
+    x, ops = torch.randn(3, 70), torch.ops.inferlab
+    assert ops.linear_panels_i8(x, lin.weight, lin.row_sums, lin.scale, 20, lin.bias).shape == (3, 20)
+    bad = {
+        "x dtype": ((x.double(), lin.weight, lin.row_sums, lin.scale, 20, None), "x must be float32"),
+        "x width": ((torch.randn(3, 140), lin.weight, lin.row_sums, lin.scale, 20, None), "panels must be"),
+        "n": ((x, lin.weight, lin.row_sums, lin.scale, 40, None), "panels must be"),
+        "corr": ((x, lin.weight, lin.row_sums[:, :1], lin.scale, 20, None), "corr must be"),
+        "scale": ((x, lin.weight, lin.row_sums, lin.scale[:19], 20, None), "scale must be"),
+        "bias": ((x, lin.weight, lin.row_sums, lin.scale, 20, torch.randn(19)), "bias must be"),
+    }
+    for args, message in bad.values():
+        with pytest.raises(RuntimeError, match=message):
+            ops.linear_panels_i8(*args)
+
+
 @needs_int8_dot
 @pytest.mark.skipif(build.kernel_info().int8_dot != "vpdpbusd",
                     reason=f"int8 x at prefill sizes is the VNNI panels' (AVX512_VNNI); this process has "

@@ -38,8 +38,7 @@ class ResolvedPrecision:
     # Our kernels run this model: float32 activations on the CPU where they loaded (the fused
     # layer, the whole-step decode kernel, the weight-only linears' kernels).
     uses_kernels: bool
-    # bf16 weights multiplied in bf16 with float32 sums (vdpbf16ps on the avx512
-    # variant), and prefill attention the same way (models/attention.py): one decision for both.
+    # bf16 weights multiplied in bf16 with float32 sums (vdpbf16ps on the avx512 variant).
     bf16_products: bool
     # Prefill attention multiplies in bf16 (our flash attention, vdpbf16ps; models/attention.py):
     # beside bf16 products, and beside w8a8, whose int8 x is coarser than bf16's rounding (in

@@ -236,7 +236,6 @@ at::Tensor linear_w16(const at::Tensor& x, const at::Tensor& w, const std::optio
 constexpr int64_t kPanelRowBlock = 64;
 
 #if defined(__AVX512BF16__)
-
 at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t n,
                          const std::optional<at::Tensor>& bias, bool out_bf16) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
@@ -300,7 +299,7 @@ at::Tensor linear_panels_i8(const at::Tensor& x, const at::Tensor& panels, const
   TORCH_CHECK(corr.scalar_type() == at::kInt && corr.is_contiguous() && corr.numel() == np * groups * kPanel,
               "inferlab linear_panels_i8: corr must be contiguous int32 [", np, ", ", groups, ", ", kPanel,
               "] (panel_corrections_i8)");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() >= n,
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n,
               "inferlab linear_panels_i8: scale must be a contiguous float32 vector of ", n, " values");
   const float* bias_p = vector_or_null(bias, n, "linear_panels_i8", "bias");
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
