@@ -107,6 +107,12 @@ constexpr int kTile = 32;  // V rows per tile in pass 2: 8 KiB at D=64 fp32, sta
 // Softmax and the weighted sum do not care about the order (only fp32 rounding does).
 constexpr int kStreams = 8;
 
+// The grouped passes' pass 1 also prefetches each V row at the offset of the K row it reads
+// as it goes: pass 2 reads the same rows in the same order, and with both streams in flight the
+// context's 2 KiB runs (one per block and KV head, scattered through the pool) wait on memory
+// together rather than one after the other. Measured on a Zen 5, batch 32 of 272-token contexts,
+// float16 K/V, 30 layers' distinct blocks, 2 threads: 8.1-10.3 -> 7.2-9.1 ms (each of 5
+// alternated pairs faster, median 0.95x); into L1 rather than L2: 0.95x again.
 // Software prefetch of one row (every cache line of it), a little ahead of its use.
 template <typename T>
 inline void prefetch_row(const T* p, int64_t d) {
@@ -144,11 +150,14 @@ inline __m256 sum8x16(const __m512* a) {
 }
 
 // Pass 1 for heads g0 .. g0 + GB - 1: sc[g][t] = qf[g] . k(offs[t]) for t < lp (a multiple of 8).
+// vpf (or null): the V rows at the same offsets are prefetched beside the K rows (see prefetch_row).
 template <typename T, int GB, int DC>
-inline void scores_group(const float* qf, const T* kc, const int64_t* offs, int64_t lp, float* sc) {
+inline void scores_group(const float* qf, const T* kc, const int64_t* offs, int64_t lp, float* sc, const T* vpf) {
   for (int64_t t0 = 0; t0 < lp; t0 += 8) {
     if (t0 + 16 < lp)
       for (int j = 0; j < 8; ++j) prefetch_row(kc + offs[t0 + 16 + j], DC);
+    if (vpf && t0 + 16 < lp)
+      for (int j = 0; j < 8; ++j) prefetch_row(vpf + offs[t0 + 16 + j], DC);
     __m512 acc[GB][8];
     for (int g = 0; g < GB; ++g)
       for (int j = 0; j < 8; ++j) acc[g][j] = _mm512_setzero_ps();
@@ -196,10 +205,12 @@ inline __m128 sum4x8(const __m256* a) {
 }
 
 template <typename T, int GB, int DC>
-inline void scores_group(const float* qf, const T* kc, const int64_t* offs, int64_t lp, float* sc) {
+inline void scores_group(const float* qf, const T* kc, const int64_t* offs, int64_t lp, float* sc, const T* vpf) {
   for (int64_t t0 = 0; t0 < lp; t0 += 4) {
     if (t0 % 8 == 0 && t0 + 16 < lp)
       for (int j = 0; j < 8; ++j) prefetch_row(kc + offs[t0 + 16 + j], DC);
+    if (vpf && t0 % 8 == 0 && t0 + 16 < lp)
+      for (int j = 0; j < 8; ++j) prefetch_row(vpf + offs[t0 + 16 + j], DC);
     __m256 acc[GB][4];
     for (int g = 0; g < GB; ++g)
       for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();
@@ -238,16 +249,17 @@ inline void accumulate_group(float* acc, const float* p, int64_t lp, const T* vc
 #endif
 
 // Both passes over every head, in groups of up to 3 (GB x 8 accumulators, GB queries and one
-// row fit the 32 registers).
+// row fit the 32 registers). Pass 1's first group prefetches the V rows pass 2 reads.
 template <typename T, int DC>
-inline void scores_all(const float* qf, const T* kc, const int64_t* offs, int64_t lp, float* sc, int64_t g_heads) {
+inline void scores_all(const float* qf, const T* kc, const T* vc, const int64_t* offs, int64_t lp, float* sc,
+                       int64_t g_heads) {
   for (int64_t g0 = 0; g0 < g_heads; g0 += 3) {
     const int64_t n = std::min<int64_t>(3, g_heads - g0);
     const float* q = qf + g0 * DC;
     float* o = sc + g0 * lp;
-    if (n == 3) scores_group<T, 3, DC>(q, kc, offs, lp, o);
-    else if (n == 2) scores_group<T, 2, DC>(q, kc, offs, lp, o);
-    else scores_group<T, 1, DC>(q, kc, offs, lp, o);
+    if (n == 3) scores_group<T, 3, DC>(q, kc, offs, lp, o, g0 == 0 ? vc : nullptr);
+    else if (n == 2) scores_group<T, 2, DC>(q, kc, offs, lp, o, g0 == 0 ? vc : nullptr);
+    else scores_group<T, 1, DC>(q, kc, offs, lp, o, g0 == 0 ? vc : nullptr);
   }
 }
 
@@ -320,7 +332,7 @@ void decode_task(const Q* q, const T* kc, const T* vc, const float* ks, const fl
   const T* rows[8];
   constexpr bool kWide = !kQuant && kGrouped<DC>;  // scores_group / accumulate_group
   if constexpr (kWide)
-    scores_all<T, DC>(s.qf.data(), kc, offs, lp, sc, g_heads);
+    scores_all<T, DC>(s.qf.data(), kc, vc, offs, lp, sc, g_heads);
   else
   for (int64_t t0 = 0; t0 < lp; t0 += 8) {
     for (int j = 0; j < 8; ++j) rows[j] = kc + offs[t0 + j];
