@@ -192,6 +192,18 @@ inline int64_t panel_k(int64_t K) { return (K + 1) / 2 * 2; }
 inline __m256 fold512(__m512 a) {  // 16 lanes -> 8, the sums of the two halves
   return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
 }
+
+// The next 64 bytes of each of NB panels (panel j's at wp + j * ps + at, in bytes), each stream
+// prefetched `ahead` bytes further when the panels come from memory: a panel tile's weight loads.
+template <int NB>
+inline void load_panels(const void* wp, int64_t ps, int64_t at, bool stream, int64_t ahead, __m512i* out) {
+#pragma GCC unroll 4
+  for (int j = 0; j < NB; ++j) {
+    const char* src = static_cast<const char*>(wp) + j * ps + at;
+    if (stream) _mm_prefetch(src + ahead, _MM_HINT_T0);
+    out[j] = _mm512_loadu_si512(src);
+  }
+}
 #endif
 
 #if defined(__AVX512BF16__)
@@ -320,14 +332,11 @@ inline void panel_tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, 
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t p = 0; p < kp / 2; ++p) {
+    __m512i wi[NB];
+    load_panels<NB>(wp, ps * 2, p * 4 * kPanel, stream, kAhead, wi);
     __m512bh wv[NB];
 #pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) {
-      const uint16_t* src = wp + j * ps + p * 2 * kPanel;
-      if (stream) _mm_prefetch(reinterpret_cast<const char*>(src) + kAhead, _MM_HINT_T0);
-      const __m512i v = _mm512_loadu_si512(src);
-      wv[j] = reinterpret_cast<const __m512bh&>(v);
-    }
+    for (int j = 0; j < NB; ++j) wv[j] = reinterpret_cast<const __m512bh&>(wi[j]);
 #pragma GCC unroll 8
     for (int i = 0; i < MB; ++i) {
       int32_t pair;
@@ -549,17 +558,11 @@ inline void panel_tile_i8(const uint8_t* x, int64_t ldx, const float* sx, int64_
 #pragma GCC unroll 4
       for (int i = 0; i < MB; ++i) s[i][j] = c;
     }
-    const int8_t* wg = wp + g * kI8Group * kPanel;
     const uint8_t* xg = x + g * kI8Group;
 #pragma GCC unroll 16
     for (int q = 0; q < kI8Group / 4; ++q) {
       __m512i wv[NB];
-#pragma GCC unroll 4
-      for (int j = 0; j < NB; ++j) {
-        const int8_t* src = wg + j * ps + q * 4 * kPanel;
-        if (stream) _mm_prefetch(reinterpret_cast<const char*>(src) + kAhead, _MM_HINT_T0);
-        wv[j] = _mm512_loadu_si512(src);
-      }
+      load_panels<NB>(wp, ps, (g * kI8Group + q * 4) * kPanel, stream, kAhead, wv);
 #pragma GCC unroll 4
       for (int i = 0; i < MB; ++i) {
         int32_t quad;
