@@ -436,10 +436,17 @@ def main() -> None:
     args = ap.parse_args()
     if args.paired_steps and args.vllm:
         ap.error("--paired-steps times our engines' own steps; --vllm belongs to the turn measure")
+    if args.runs < 1 or args.max_tokens < 1:
+        ap.error("--runs and --max-tokens must be at least 1 (medians of runs, tokens per turn)")
     methods = [m for m in args.methods.split(",") if m]
     if args.draft_model and "draft_model" not in methods:
         methods.append("draft_model")
-    streams_list = [int(s) for s in args.streams.split(",")]
+    try:
+        streams_list = [int(s) for s in args.streams.split(",") if s]
+    except ValueError:
+        ap.error(f"--streams takes comma-separated stream counts, not {args.streams!r}")
+    if not streams_list or min(streams_list) < 1:
+        ap.error(f"--streams takes stream counts of at least 1, not {args.streams!r}")
     kw = {"kv_cache_memory": args.kv_cache_memory, "max_num_seqs": max(streams_list)}
     notes: list[str] = []
     with contextlib.ExitStack() as stack:

@@ -14,7 +14,7 @@ from inferlab.cli import main
 from inferlab.config import KV_CACHE_DTYPES, WEIGHT_DTYPES
 from inferlab.models.testing import make_tiny_hf_model
 from inferlab.quality.report_modes import available_modes, parse_list, plan_modes
-from inferlab.quality.report_render import COLUMNS
+from inferlab.quality.report_render import COLUMNS, same_scores
 
 N_CTX = 32
 SMALL = ["-c", str(N_CTX), "-b", str(2 * N_CTX), "--chunks", "3", "--streams", "4", "--prompt-tokens", "8",
@@ -111,6 +111,21 @@ def test_table_base_row_and_lossy_rows(report):
     for label in rows:
         assert f"| {label} |" in md
     assert "Kernel paths" in md and "load average" in md
+
+
+def test_rows_that_score_alike_are_explained():
+    """Same weights, another K/V dtype, the same PPL and KLD: the report says why, once per pair;
+    rows that differ, or differ in weights, get no such line."""
+    def row(label, weights, kv, ppl, kld):
+        return {"label": label, "weights": weights, "kv": kv, "ppl": ppl, "kld_mean": kld}
+
+    doc = {"rows": [row("K/V float32", "bfloat16", "float32", 11.9139, 0.000189),
+                    row("K/V bfloat16", "bfloat16", "bfloat16", 11.9139, 0.000189),
+                    row("K/V int8", "bfloat16", "int8", 11.9312, 0.001034),
+                    row("weights float16", "float16", "float16", 11.9139, 0.000189)]}
+    lines = same_scores(doc)
+    assert len(lines) == 1 and lines[0].startswith("- K/V float32 and K/V bfloat16 score alike")
+    assert "rounded to bf16" in lines[0]
 
 
 def test_png_written(report):

@@ -35,6 +35,22 @@ def table_rows(doc: dict[str, Any]) -> list[list[str]]:
     return out
 
 
+def same_scores(doc: dict[str, Any]) -> list[str]:
+    """A line for each pair of rows with the same weights and different K/V that score alike (PPL
+    and mean KLD equal): a reader would otherwise take one of them for a stale or mislabelled row."""
+    rows, out = doc["rows"], []
+    for i, a in enumerate(rows):
+        for b in rows[i + 1:]:
+            if a["weights"] == b["weights"] and a["kv"] != b["kv"] and (a["ppl"], a["kld_mean"]) == (b["ppl"], b["kld_mean"]):
+                out.append(
+                    f"- {a['label']} and {b['label']} score alike (PPL {a['ppl']:.4f}, KLD {a['kld_mean']:.6f}): the "
+                    "pieces attend over K and V read back from the cache, and where prefill attention multiplies in "
+                    "bf16 (the avx512 variant, beside bf16 or w8a8 weights) both are rounded to bf16 for the "
+                    f"products, so a {a['kv']} and a {b['kv']} cache give the same products. Decode steps' "
+                    "attention reads them as stored: their speeds differ.")
+    return out
+
+
 def markdown(doc: dict[str, Any]) -> str:
     m, t, sp = doc["machine"], doc["text"], doc["speed_settings"]
     la0, la1 = (" ".join(f"{x:.2f}" for x in m[k]) for k in ("load_average_start", "load_average_end"))
@@ -61,6 +77,9 @@ def markdown(doc: dict[str, Any]) -> str:
         "|" + "|".join("---" if i < 3 else "---:" for i in range(len(COLUMNS))) + "|",
     ]
     lines += ["| " + " | ".join(cells) + " |" for cells in table_rows(doc)]
+    alike = same_scores(doc)
+    if alike:
+        lines += ["", *alike]
     lines += ["", "Kernel paths (`describe_precision`):", ""]
     lines += [f"- {r['label']}: {r['precision']}" for r in doc["rows"]]
     if doc["skipped"]:
