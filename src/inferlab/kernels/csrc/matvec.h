@@ -520,11 +520,12 @@ inline void quantize_row_u8(const float* x, int64_t K, uint8_t* dst, float* scal
 // k (vpdpbusd's quads), and x's 4 codes of that quad broadcast to all lanes make 16 outputs'
 // partial sums at once: 64 products per instruction, the int32 sums of a group of 64 k
 // converted and scaled once per 16 of them. SmolLM2's layer shapes, 2 threads: 1,150 GOP/s at
-// 32 rows and 1,400 at 512 against bf16 panels' 710 and 810 (the rows' int8: 520-570). Panel p holds columns 16p .. 16p + 15 as [Kq / 4][16][4] int8 (Kq = K rounded up to
-// whole groups of 64, zero past K), contiguous: one linear stream (kernels/linear.py
-// pack_panels_i8). corr: -128 x each column's code sums per group, [panels, groups, 16] int32
-// (x is stored as u = q + 128: vpdpbusd multiplies unsigned by signed bytes), the start of each
-// group's sums, which are then exact.
+// 32 rows and 1,400 at 512 against bf16 panels' 710 and 810 (weight-only int8, rows: 520-570).
+// Panel p holds columns 16p .. 16p + 15 as [Kq / 4][16][4] int8 (Kq = K rounded up to whole
+// groups of 64, zero past K), contiguous: one linear stream (kernels/linear.py pack_panels_i8).
+// corr: -128 x each column's code sums per group, [panels, groups, 16] int32 (x is stored as
+// u = q + 128: vpdpbusd multiplies unsigned by signed bytes), the start of each group's sums,
+// which are then exact.
 constexpr int kPanelRowsXI8 = 4;    // rows of x per tile: 4 x 3 int32 + 4 x 3 float sums, 3 weights, 1 broadcast
 constexpr int kPanelsPerTileI8 = 3;
 
@@ -586,7 +587,8 @@ inline void panel_tile_i8(const uint8_t* x, int64_t ldx, const float* sx, int64_
     const __m512 sv = _mm512_maskz_loadu_ps(mask, scale + j * kPanel);
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + j * kPanel) : _mm512_setzero_ps();
 #pragma GCC unroll 4
-    for (int i = 0; i < MB; ++i) _mm512_mask_storeu_ps(y + i * ldy + j * kPanel, mask, _mm512_fmadd_ps(acc[i][j], sv, bv));
+    for (int i = 0; i < MB; ++i)
+      _mm512_mask_storeu_ps(y + i * ldy + j * kPanel, mask, _mm512_fmadd_ps(acc[i][j], sv, bv));
   }
 }
 
