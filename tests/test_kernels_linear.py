@@ -26,7 +26,6 @@ from inferlab.kernels.linear import (
     panel_corrections_i8,
     quantize_int8,
     unpack_panels,
-    unpack_panels_i8,
 )
 from inferlab.models.precision import resolve_precision
 from inferlab.models.testing import make_tiny_hf_model
@@ -230,9 +229,9 @@ def test_int8_panels_pack_unpack_and_their_corrections(shape):
     assert p.shape == (-(-n // 16), groups * 16, 16, 4) and p.dtype == torch.int8 and p.is_contiguous()
     if n > 1 and k >= 4:
         assert torch.equal(p[0, 0, 1], q[1, :4])  # row 1's first quad: panel 0, quad 0, column 1
-    assert torch.equal(unpack_panels_i8(p, n, k), q)
+    assert torch.equal(unpack_panels(p, n, k), q)
     ids = torch.tensor([n - 1, 0, n // 2])
-    assert torch.equal(unpack_panels_i8(p, n, k, ids), q[ids])
+    assert torch.equal(unpack_panels(p, n, k, ids), q[ids])
     assert torch.count_nonzero(p) == torch.count_nonzero(q)  # the padding is zeros
     corr = panel_corrections_i8(p)
     want = F.pad(q, (0, groups * 64 - k, 0, -n % 16)).view(-1, 16, groups, 64).sum(-1, dtype=torch.int32) * -128

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from inferlab.models.precision import ResolvedPrecision
 
 __all__ = ["DenseLinear", "Int4Linear", "WeightOnlyLinear", "bucket_rows", "linear", "make_linear", "pack_panels",
-           "pack_panels_i8", "panel_corrections_i8", "quantize_int8", "unpack_panels", "unpack_panels_i8"]
+           "pack_panels_i8", "panel_corrections_i8", "quantize_int8", "unpack_panels"]
 
 # The storage dtypes WeightOnlyLinear takes; torch.int8 means symmetric per-output-row scales.
 STORED_DTYPES = (torch.float16, torch.bfloat16, torch.int8)
@@ -83,36 +83,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 PANEL = 16  # output columns per panel of bf16 weights (csrc/matvec.h kPanel)
 
 
+def _to_panels(weight: torch.Tensor, k_multiple: int, run: int) -> torch.Tensor:
+    """[N, K] as panels of PANEL output columns, each [Kp / run, PANEL, run] (runs of `run`
+    consecutive k, one instruction's operand; Kp = K rounded up to `k_multiple`), zero-padded."""
+    n, k = weight.shape
+    np_, kp = -(-n // PANEL) * PANEL, -(-k // k_multiple) * k_multiple
+    padded = F.pad(weight, (0, kp - k, 0, np_ - n))
+    return padded.view(np_ // PANEL, PANEL, kp // run, run).permute(0, 2, 1, 3).contiguous()
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """A bf16 [N, K] matrix as the AVX-512 kernels multiply it (csrc/matvec.h): panels of 16
     output columns, each [Kp / 2, 16, 2] (pairs of consecutive k, vdpbf16ps's operand; Kp = K
     rounded up to even), zero-padded to whole panels: [ceil(N / 16), Kp / 2, 16, 2]."""
-    n, k = weight.shape
-    np_, kp = -(-n // PANEL) * PANEL, k + k % 2
-    padded = F.pad(weight, (0, kp - k, 0, np_ - n))
-    return padded.view(np_ // PANEL, PANEL, kp // 2, 2).permute(0, 2, 1, 3).contiguous()
-
-
-def unpack_panels(panels: torch.Tensor, n: int, k: int, ids: torch.Tensor | None = None) -> torch.Tensor:
-    """`pack_panels`' way back: the [N, K] matrix, or only its rows `ids` (an embedding lookup
-    from a tied lm_head's panels reads just those)."""
-    if ids is None:
-        return panels.permute(0, 2, 1, 3).reshape(panels.shape[0] * PANEL, -1)[:n, :k]
-    return panels[ids // PANEL, :, ids % PANEL, :].reshape(ids.numel(), -1)[:, :k]
+    return _to_panels(weight, 2, 2)
 
 
 def pack_panels_i8(codes: torch.Tensor) -> torch.Tensor:
     """int8 codes [N, K] as the VNNI kernels multiply them (csrc/matvec.h panel_products_i8):
     panels of 16 output columns, each [Kq / 4, 16, 4] (quads of consecutive k, vpdpbusd's
     operand; Kq = K rounded up to whole groups of INT8_GROUP), zero-padded to whole panels."""
-    n, k = codes.shape
-    np_, kq = -(-n // PANEL) * PANEL, -(-k // INT8_GROUP) * INT8_GROUP
-    padded = F.pad(codes, (0, kq - k, 0, np_ - n))
-    return padded.view(np_ // PANEL, PANEL, kq // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return _to_panels(codes, INT8_GROUP, 4)
 
 
-def unpack_panels_i8(panels: torch.Tensor, n: int, k: int, ids: torch.Tensor | None = None) -> torch.Tensor:
-    """`pack_panels_i8`' way back: the [N, K] codes, or only their rows `ids`."""
+def unpack_panels(panels: torch.Tensor, n: int, k: int, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """`pack_panels`' and `pack_panels_i8`'s way back: the [N, K] matrix, or only its rows `ids`
+    (an embedding lookup from a tied lm_head's panels reads just those)."""
     if ids is None:
         return panels.permute(0, 2, 1, 3).reshape(panels.shape[0] * PANEL, -1)[:n, :k]
     return panels[ids // PANEL, :, ids % PANEL, :].reshape(ids.numel(), -1)[:, :k]
@@ -283,10 +279,8 @@ class WeightOnlyLinear:
         """The stored values as an [N, K] matrix (int8 codes, or 16-bit weights), or its rows
         `ids`, whichever layout holds them."""
         n, k = self.out_features, self.in_features
-        if self.bf16_products:
+        if self.bf16_products or self.i8_panels:
             return unpack_panels(self.weight, n, k, ids)
-        if self.i8_panels:
-            return unpack_panels_i8(self.weight, n, k, ids)
         return self.weight if ids is None else self.weight.index_select(0, ids)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -421,7 +421,7 @@ class DecoderStep : public torch::CustomClassHolder {
         }
       }
 #endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#if INFERLAB_I8_PANELS
       if constexpr (std::is_same_v<T, int8_t>) {
         if (lin.i8_panels.defined()) {
           const int64_t groups = i8_groups(lin.k);

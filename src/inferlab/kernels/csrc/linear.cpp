@@ -95,7 +95,7 @@ void small_m(const float* x, int64_t M, int64_t K, const T* w, int64_t N, const 
   const int64_t blocks = (N + kRowsW - 1) / kRowsW;
   auto run = [&](int64_t b0, int64_t b1, std::vector<float>& buf, std::vector<float>& out) {
     const int64_t n0 = b0 * kRowsW, n1 = std::min(N, b1 * kRowsW);
-#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__))
+#if !INFERLAB_I8_PANELS
     if constexpr (std::is_same_v<T, int8_t>) {
       if (int8_x) return row_products_i8(x, M, K, w, n0, n1 - n0, scale, bias, y + n0, N);
     }
@@ -285,7 +285,7 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t 
 
 #endif
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#if INFERLAB_I8_PANELS
 at::Tensor linear_panels_i8(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& corr,
                             const at::Tensor& scale, int64_t n, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "inferlab linear_panels_i8: x must be float32, got ", x.scalar_type());
@@ -374,7 +374,7 @@ TORCH_LIBRARY_FRAGMENT(inferlab, m) {
 #if defined(__AVX512BF16__)
   m.def("linear_panels(Tensor x, Tensor panels, int n, Tensor? bias=None, bool out_bf16=False) -> Tensor");
 #endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#if INFERLAB_I8_PANELS
   m.def("linear_panels_i8(Tensor x, Tensor panels, Tensor corr, Tensor scale, int n, Tensor? bias=None) -> Tensor");
 #endif
 }
@@ -386,7 +386,7 @@ TORCH_LIBRARY_IMPL(inferlab, CPU, m) {
 #if defined(__AVX512BF16__)
   m.impl("linear_panels", &linear_panels);
 #endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#if INFERLAB_I8_PANELS
   m.impl("linear_panels_i8", &linear_panels_i8);
 #endif
 }

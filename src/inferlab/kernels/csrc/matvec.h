@@ -476,11 +476,12 @@ constexpr int64_t kI8Group = 64;  // k values per group = bytes per vpdpbusd
 inline int64_t i8_groups(int64_t K) { return (K + kI8Group - 1) / kI8Group; }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-// -- the AVX-512 variant: vpdpbusd, the codes in panels --
+// -- the AVX-512 variant: vpdpbusd, the codes in panels (INFERLAB_I8_PANELS: linear.cpp and
+// decoder_step.cpp test it to compile the panels' callers, kI8Panels for checks in code) --
+#define INFERLAB_I8_PANELS 1
 // vpdpbusd multiplies unsigned by signed bytes, so x is stored as u = q + 128, and
 // dot(u, w) = dot(q, w) + 128 * sum(w_group): the weight's per-group sums, times -128, computed
 // once at load (`corr`), start each group's integer sum, which is then exact.
-constexpr bool kI8Panels = true;
 
 // One row of x as u8 codes, padded to whole groups with 128 (q = 0), and its group scales.
 inline void quantize_row_u8(const float* x, int64_t K, uint8_t* dst, float* scales) {
@@ -592,10 +593,10 @@ inline void panel_tile_i8(const uint8_t* x, int64_t ldx, const float* sx, int64_
   }
 }
 
-// row_products_i8's product (below, the AVX2 variant's) for int8 codes in panels (kernels/linear.py
-// pack_panels_i8 of an [N, K] matrix, corrections `corr` [N / 16, groups, 16]) and x already quantized (xq: M rows of
-// stride groups * 64, sx: M x groups scales, quantize_rows_u8): y[i * ldy + r] for r in
-// [0, rows) of columns r0 .. , r0 a multiple of 16. Column tiles of 3 panels, each streamed from
+// row_products_i8's product (below, the AVX2 variant's) for int8 codes in panels
+// (kernels/linear.py pack_panels_i8 of an [N, K] matrix, corrections `corr` [N / 16, groups,
+// 16]) and x already quantized (xq: M rows of stride groups * 64, sx: M x groups scales,
+// quantize_rows_u8): y[i * ldy + r] for r in [0, rows) of columns r0 .., r0 a multiple of 16. Column tiles of 3 panels, each streamed from
 // memory by its first tile of x-rows; the others re-read it from cache.
 inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int64_t K, const int8_t* panels,
                               const int32_t* corr, int64_t r0, int64_t rows, const float* scale, const float* bias,
@@ -626,6 +627,7 @@ inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int
 }
 
 #else
+#define INFERLAB_I8_PANELS 0
 // -- the AVX2 variant: vpmaddubsw, the sign trick --
 // vpmaddubsw multiplies unsigned by signed bytes too, into int16 pairs that saturate, so no
 // offset: x is stored as q and |q| (per call, M x K bytes each), and a product is
@@ -638,7 +640,6 @@ inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int
 // Tile: 1 row of x by 4 weight rows: 4 float sums + 4 int32 group sums + q, |q|, the ones and
 // the weight halves in flight fit the 16 ymm registers (gcc -O3: no spills); 2 rows of x by 4
 // spilled and measured no faster (Zen 5 as avx2, ~2.5 cycles per 64 products and row pair).
-constexpr bool kI8Panels = false;
 constexpr int kRowsXI8 = 1;
 
 // One row of x as int8 codes q and magnitudes |q|, padded to whole groups with 0 (their
@@ -784,5 +785,7 @@ inline void row_products_i8(const float* x, int64_t M, int64_t K, const int8_t* 
   }
 }
 #endif  // __AVX512VNNI__
+
+constexpr bool kI8Panels = INFERLAB_I8_PANELS;
 
 }  // namespace inferlab_matvec
