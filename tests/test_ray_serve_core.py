@@ -120,6 +120,26 @@ def test_scorer_keeps_a_prefix_on_its_replica_and_spreads_the_rest():
     assert scorer.rank({"token_ids": prompt}, loaded)[0] == first[1]
 
 
+def test_scorer_discounts_load_that_finished_since_the_report():
+    """A report taken while a request ran there (queued tokens, one running) is stale once Serve
+    counts nothing ongoing: the prefix stays with its owner; load still there still counts."""
+    scorer = Scorer()
+    prompt = list(range(100, 164))
+    owner = scorer.rank({"token_ids": prompt}, [Candidate("a", stats()), Candidate("b", stats())])[0]
+    other = "b" if owner == "a" else "a"
+    seen = stats(queued_tokens=64, running=1, in_flight=1)
+    done = [Candidate(owner, seen, ongoing=0), Candidate(other, stats(in_flight=0), ongoing=0)]
+    assert scorer.rank({"token_ids": prompt[:60] + [1, 2, 3, 4]}, done)[0] == owner
+    assert scorer.last.reason == "prefix_hit"
+    still = [
+        Candidate(owner, stats(queued_tokens=640, running=4, in_flight=4), ongoing=4),
+        Candidate(other, stats(in_flight=0), ongoing=0),
+    ]
+    assert scorer.rank({"token_ids": prompt[:60] + [5, 6, 7, 8]}, still)[0] == other
+    assert Scorer.live_share(Candidate(owner, stats(in_flight=4), ongoing=1)) == 0.25
+    assert Scorer.live_share(Candidate(owner, stats(), ongoing=0)) == 1.0  # no in_flight reported
+
+
 def test_scorer_forgets_a_dead_replica():
     scorer = Scorer()
     cands = [Candidate("a", stats()), Candidate("b", stats())]

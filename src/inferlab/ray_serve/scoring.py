@@ -51,9 +51,24 @@ class Scorer:
         if s.get("prefix_caching", True) and request.block_hashes:
             hit = self.index.match(c.name, request.block_hashes[: max_hit_blocks(request.prompt_tokens, bs)], now)
             cached = hit * bs
-        return ReplicaView(name=c.name, in_flight=c.ongoing, queued_prefill_tokens=int(s.get("queued_tokens", 0)),
-                           decoding=int(s.get("running", 0)), prefill_rate=self.prefill_rate, external_load=0.0,
-                           cached_tokens=cached)  # fmt: skip
+        share = self.live_share(c)
+        return ReplicaView(name=c.name, in_flight=c.ongoing, queued_prefill_tokens=int(s.get("queued_tokens", 0) * share),
+                           decoding=int(s.get("running", 0) * share), prefill_rate=self.prefill_rate,
+                           external_load=0.0, cached_tokens=cached)  # fmt: skip
+
+    @staticmethod
+    def live_share(c: Candidate) -> float:
+        """How much of the replica's last report still stands: its load scaled to the requests there now.
+
+        The report is up to a stats period old (~1 s), Serve's count of ongoing requests is
+        live (up on send, down on completion). A request that finished since the report must
+        not keep counting: its queued tokens would outweigh the cached prefix the next request
+        finds there, and a repeated prefix would flap between replicas under load.
+        """
+        reported = int(c.stats.get("in_flight", -1))
+        if reported <= c.ongoing:  # as many or more there now (or an older replica's report)
+            return 1.0
+        return c.ongoing / reported
 
     def rank(self, route: dict[str, Any] | None, candidates: Sequence[Candidate]) -> list[str]:
         """Candidate names, most preferred first; the blocks are expected on the first."""
