@@ -77,6 +77,8 @@ def test_every_combination_resolves_as_before(variant):
         # prefill attention in bf16 beside bf16 products and beside w8a8 (its x is int8 already),
         # where vdpbf16ps is: the avx512 variant running our kernels
         assert p.bf16_attention == (p.uses_kernels and variant == "avx512" and (p.bf16_products or wd == "w8a8"))
+        # and our flash attention in float32 wherever else our kernels run the model
+        assert p.prefill_attention == ("bfloat16" if p.bf16_attention else "float32" if p.uses_kernels else "torch")
         assert p.products == ("int8" if wd == "w8a8" else "bfloat16" if p.bf16_products else dtype_name(p.compute))
         n += 1
     assert n > 100

@@ -91,7 +91,7 @@ def _stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype).float()
 
 
-def _run_case(runner: ModelRunner, spec: list[tuple[int, int]], seed: int = 0, bf16_products: bool = False,
+def _run_case(runner: ModelRunner, spec: list[tuple[int, int]], seed: int = 0, products: str = "torch",
               cache_dtype: torch.dtype = torch.float32):
     """One step through _prepare + paged_attention against the per-request reference.
 
@@ -100,8 +100,10 @@ def _run_case(runner: ModelRunner, spec: list[tuple[int, int]], seed: int = 0, b
     that read past its own context, would turn its rows into NaN. (Block 0 and the decodes' blocks
     are zeros instead: the decode SDPA fallback pads with them, masked, as before.)
 
-    `bf16_products`: the avx512 kernel (bf16 products, float32 sums), against the reference on
-    the inputs it rounds (q x scale, K, V: from the cache's dtype where a chunk reads the cache).
+    `products`: "torch" (SDPA), or our flash attention (kernels/csrc/prefill_attention.cpp) with
+    "bfloat16" products (the avx512 variant; float32 sums), against the reference on the inputs
+    it rounds (q x scale, K, V: from the cache's dtype where a chunk reads the cache), or
+    "float32" ones (every variant), against the reference on the cache's values.
     """
     g = torch.Generator().manual_seed(seed)
     sched = _scheduled(spec, g)
@@ -135,9 +137,11 @@ def _run_case(runner: ModelRunner, spec: list[tuple[int, int]], seed: int = 0, b
             k_cache[:, _slots(s, range(s.start_pos, s.start_pos + n))] = k[new].transpose(0, 1)
             v_cache[:, _slots(s, range(s.start_pos, s.start_pos + n))] = v[new].transpose(0, 1)
         kr, vr = torch.cat([hist_k, k[new]]), torch.cat([hist_v, v[new]])
-        if bf16_products and n == 1:  # a decode: float32 products over the cache's values
-            expected[new] = _reference(q[new], _stored(kr, cache_dtype), _stored(vr, cache_dtype), s.start_pos)
-        elif bf16_products:  # SCALE is a power of two: rounding q x SCALE is rounding q
+        if products != "torch" and (n == 1 or products == "float32"):  # float32 products
+            # a decode reads the cache's values, and so does a continuing chunk here
+            stored = (lambda x: _stored(x, cache_dtype)) if s.start_pos > 0 else (lambda x: x)
+            expected[new] = _reference(q[new], stored(kr), stored(vr), s.start_pos)
+        elif products == "bfloat16":  # SCALE is a power of two: rounding q x SCALE is rounding q
             from_cache = (lambda x: _bf16(_stored(x, cache_dtype))) if s.start_pos > 0 else _bf16
             expected[new] = _reference(_bf16(q[new]), from_cache(kr), from_cache(vr), s.start_pos)
         else:
@@ -150,17 +154,18 @@ def _run_case(runner: ModelRunner, spec: list[tuple[int, int]], seed: int = 0, b
         cache = KVCache(k_cache.to(cache_dtype), v_cache.to(cache_dtype))
     # kv_written: the cache is as the test left it (a fused op would have written it).
     with torch.profiler.profile() as prof:
-        out = paged_attention(q, k, v, cache, meta, SCALE, kv_written=True, bf16_products=bf16_products)
+        out = paged_attention(q, k, v, cache, meta, SCALE, kv_written=True, prefill=products)
     ran = {e.key for e in prof.key_averages()}
-    if bf16_products:  # the kernel ran, for each kind of chunk present (int8: gathered, then the same kernel)
+    if products != "torch":  # the kernel ran, for each kind of chunk present (int8: gathered, then the same kernel)
+        suffix = {"bfloat16": "bf16", "float32": "f32"}[products]
         paged = bool(meta.prefill.continuing) and cache_dtype != torch.int8
-        assert ("inferlab::prefill_attention_bf16" in ran) == (bool(meta.prefill.fresh) or
-                                                               (bool(meta.prefill.continuing) and not paged)), ran
-        assert ("inferlab::prefill_attention_paged_bf16" in ran) == paged, ran
+        assert (f"inferlab::prefill_attention_{suffix}" in ran) == (bool(meta.prefill.fresh) or
+                                                                   (bool(meta.prefill.continuing) and not paged)), ran
+        assert (f"inferlab::prefill_attention_paged_{suffix}" in ran) == paged, ran
     else:
-        assert not any("_bf16" in key for key in ran), ran
+        assert not any("inferlab::prefill_attention" in key for key in ran), ran
     assert not out.isnan().any()
-    if bf16_products:  # P rounded to bf16: ~2^-9 relative per weight
+    if products == "bfloat16":  # P rounded to bf16: ~2^-9 relative per weight
         torch.testing.assert_close(out.view(t, H, D), expected, atol=1e-2, rtol=1e-2)
     else:
         torch.testing.assert_close(out.view(t, H, D), expected, atol=2e-5, rtol=1e-4)
@@ -204,34 +209,55 @@ def test_bf16_products_kernel(runner, cache_dtype):
     """The avx512 flash attention (kernels/csrc/prefill_attention.cpp) on every kind of chunk:
     fresh runs straight from the flat batch, continuing chunks read from the paged cache in
     place (NaN everywhere else in it), decodes beside them."""
-    _run_case(runner, SPEC, seed=6, bf16_products=True, cache_dtype=cache_dtype)
-    _run_case(runner, [(0, 64)] * 8 + [(0, 2), (0, 3)], seed=7, bf16_products=True, cache_dtype=cache_dtype)
+    _run_case(runner, SPEC, seed=6, products="bfloat16", cache_dtype=cache_dtype)
+    _run_case(runner, [(0, 64)] * 8 + [(0, 2), (0, 3)], seed=7, products="bfloat16", cache_dtype=cache_dtype)
 
 
-@pytest.mark.skipif(not build.kernel_info().bf16_dot,
-                    reason=f"needs the avx512 kernel variant (AVX512_BF16); this CPU runs {build.kernel_info().variant}")
-def test_bf16_products_kernel_rejects_bad_shapes():
-    ops = torch.ops.inferlab
+@pytest.mark.skipif(not build.available(), reason=f"our kernels do not load here: {build.unavailable_reason()}")
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8])
+def test_float32_products_kernel(runner, cache_dtype):
+    """The same flash attention with float32 products (every kernel variant) on every kind of
+    chunk, to float32 rounding: a continuing chunk of 5 after 16 is what speculative decoding's
+    verification rows look like."""
+    _run_case(runner, SPEC, seed=8, products="float32", cache_dtype=cache_dtype)
+    _run_case(runner, [(0, 64)] * 8 + [(0, 2), (0, 3)], seed=9, products="float32", cache_dtype=cache_dtype)
+
+
+@pytest.mark.parametrize("suffix", ["bf16", "f32"])
+def test_flash_attention_rejects_bad_shapes(suffix):
+    if not build.available():
+        pytest.skip(f"our kernels do not load here: {build.unavailable_reason()}")
+    if suffix == "bf16" and not build.kernel_info().bf16_dot:
+        pytest.skip(f"needs the avx512 kernel variant (AVX512_BF16); this CPU runs {build.kernel_info().variant}")
+    fresh, paged = getattr(torch.ops.inferlab, f"prefill_attention_{suffix}"), \
+        getattr(torch.ops.inferlab, f"prefill_attention_paged_{suffix}")
     q, out = torch.zeros(1, 4, 6, 64), torch.zeros(1, 4, 6, 64)
     with pytest.raises(RuntimeError, match="keys for queries"):
-        ops.prefill_attention_bf16(q, torch.zeros(1, 3, 2, 64), torch.zeros(1, 3, 2, 64), out, 0, SCALE)
+        fresh(q, torch.zeros(1, 3, 2, 64), torch.zeros(1, 3, 2, 64), out, 0, SCALE)
     with pytest.raises(RuntimeError, match="share"):
-        ops.prefill_attention_bf16(q, torch.zeros(1, 4, 4, 64), torch.zeros(1, 4, 4, 64), out, 0, SCALE)
+        fresh(q, torch.zeros(1, 4, 4, 64), torch.zeros(1, 4, 4, 64), out, 0, SCALE)
+    with pytest.raises(RuntimeError, match="must be float32, float16 or bfloat16"):
+        fresh(q, torch.zeros(1, 4, 2, 64, dtype=torch.int8), torch.zeros(1, 4, 2, 64, dtype=torch.int8), out, 0,
+              SCALE)
     cache = torch.zeros(2, 4 * BS, 64)
-    with pytest.raises(RuntimeError, match="outside the cache"):
-        ops.prefill_attention_paged_bf16(q, cache, cache, torch.tensor([7]), BS, out, 0, SCALE)
+    with pytest.raises(RuntimeError, match=f"prefill_attention_paged_{suffix}: block 7 is outside the cache"):
+        paged(q, cache, cache, torch.tensor([7]), BS, out, 0, SCALE)
 
 
-def test_the_model_decides_bf16_attention_once():
-    """bf16 prefill attention exactly where the linears multiply in bf16 (one decision)."""
+def test_the_model_decides_prefill_attention_once():
+    """bf16 prefill attention exactly where the linears multiply in bf16, ours in float32 wherever
+    else our kernels run the model, torch's elsewhere (one decision, models/precision.py)."""
     cfg = tiny_model_config("llama")
     from inferlab.models.decoder import DecoderModel
 
     weights = load_dummy(cfg, torch.float32).weights
     exact = DecoderModel(cfg, weights, resolve_precision(LoadConfig(dtype="float32")))
     assert not exact.bf16_products
+    assert exact.prefill_attention == ("float32" if build.available() else "torch")
     m16 = DecoderModel(cfg, weights, resolve_precision(LoadConfig(dtype="float32", weight_dtype="bfloat16")))
     assert m16.bf16_products == build.kernel_info().bf16_dot
+    assert m16.prefill_attention == ("bfloat16" if build.kernel_info().bf16_dot else exact.prefill_attention)
+    assert resolve_precision(LoadConfig(dtype="bfloat16")).prefill_attention == "torch"  # no kernels there
 
 
 def test_causal_bias_band_slices():

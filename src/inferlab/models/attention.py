@@ -37,6 +37,10 @@ On the CPU each chunk's queries go in tiles of `CPU_PREFILL_TILE`, each tile ove
 its queries can see (`attend_causal`): torch's CPU flash kernel works in 512-key blocks and
 computes a block whole, so one causal call over a few hundred tokens costs the full square.
 (Fresh chunks past `TILED_FRESH_MAX` tokens are the exception: one call does better there.)
+Where our kernels run the model (`ResolvedPrecision.prefill_attention`), prefill goes to our
+flash attention instead (`flash_attention`, kernels/csrc/prefill_attention.cpp: bf16 or float32
+products): causal by blocks of keys, and continuing chunks read their context from the blocks in
+place rather than gathering it.
 """
 
 from __future__ import annotations
@@ -292,14 +296,14 @@ def prefill_attention(
     p: PrefillBatch,
     out: torch.Tensor,  # [T, H, D]: the prefill rows are written
     scale: float,
-    bf16_products: bool = False,
+    kernel: str = "torch",
 ) -> None:
     """Every prefill chunk of the step, one at a time (a run of fresh chunks of one length as one
     batch): no padding to the longest chunk, and fresh prompts read nothing from the cache.
-    `bf16_products` (the model's precision decision on the avx512 variant): our flash attention
-    with bf16 products instead, continuing chunks read straight from the paged cache."""
-    if bf16_products and q.dtype == torch.float32:
-        prefill_attention_bf16(q, k, v, kv, p, out, scale)
+    `kernel` (the model's precision decision, `ResolvedPrecision.prefill_attention`): "bfloat16"
+    or "float32" for our flash attention with those products (`flash_attention`), "torch" for SDPA."""
+    if kernel != "torch" and q.dtype == torch.float32:
+        flash_attention(q, k, v, kv, p, out, scale, kernel)
         return
     for run in p.fresh:
         qr, kr, vr, outr = (_run_view(x, run) for x in (q, k, v, out))
@@ -315,7 +319,12 @@ def prefill_attention(
             attend_causal(qc, kc, vc, oc, chunk.start, p.tile, p.causal_bias, scale)
 
 
-def prefill_attention_bf16(
+# Our flash attention's operators by products (kernels/csrc/prefill_attention.cpp).
+_FLASH_OPS = {"bfloat16": ("prefill_attention_bf16", "prefill_attention_paged_bf16"),
+              "float32": ("prefill_attention_f32", "prefill_attention_paged_f32")}
+
+
+def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -323,16 +332,17 @@ def prefill_attention_bf16(
     p: PrefillBatch,
     out: torch.Tensor,
     scale: float,
+    products: str,
 ) -> None:
-    """`prefill_attention` through kernels/csrc/prefill_attention.cpp: one call per run of fresh
-    chunks (the rows as they lie in the flat batch, no transposes or copies) and one per
-    continuing chunk (its context read from the cache blocks in place, no gather; an int8 cache
-    is gathered and dequantized first)."""
-    ops = torch.ops.inferlab
+    """`prefill_attention` through kernels/csrc/prefill_attention.cpp with `products` "bfloat16"
+    or "float32": one call per run of fresh chunks (the rows as they lie in the flat batch, no
+    transposes or copies) and one per continuing chunk (its context read from the cache blocks in
+    place, no gather; an int8 cache is gathered and dequantized first)."""
+    fresh_op, paged_op = (getattr(torch.ops.inferlab, name) for name in _FLASH_OPS[products])
     for run in p.fresh:
         rows = slice(run.row, run.row + run.count * run.num_tokens)
         q4, k4, v4, o4 = (x[rows].unflatten(0, (run.count, run.num_tokens)) for x in (q, k, v, out))
-        ops.prefill_attention_bf16(q4, k4, v4, o4, 0, scale)
+        fresh_op(q4, k4, v4, o4, 0, scale)
     if p.continuing:
         assert p.block_tables is not None
         for chunk, table in zip(p.continuing, p.block_tables):
@@ -340,12 +350,12 @@ def prefill_attention_bf16(
             rows = slice(chunk.row, chunk.row + chunk.num_tokens)
             blocks = table[: (ctx + p.block_size - 1) // p.block_size]
             if not kv.quantized:
-                ops.prefill_attention_paged_bf16(q[rows].unsqueeze(0), kv.k, kv.v, blocks, p.block_size,
-                                                 out[rows].unsqueeze(0), chunk.start, scale)
+                paged_op(q[rows].unsqueeze(0), kv.k, kv.v, blocks, p.block_size, out[rows].unsqueeze(0),
+                         chunk.start, scale)
             else:  # [1, kvH, ctx, D] float32 -> the kernel's [1, ctx, kvH, D] view
                 kc, vc = gather_kv(kv, blocks, p.block_size, ctx, q.dtype)
-                ops.prefill_attention_bf16(q[rows].unsqueeze(0), kc.transpose(1, 2), vc.transpose(1, 2),
-                                           out[rows].unsqueeze(0), chunk.start, scale)
+                fresh_op(q[rows].unsqueeze(0), kc.transpose(1, 2), vc.transpose(1, 2), out[rows].unsqueeze(0),
+                         chunk.start, scale)
 
 
 def paged_attention(
@@ -356,10 +366,10 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     kv_written: bool = False,
-    bf16_products: bool = False,
+    prefill: str = "torch",
 ) -> torch.Tensor:
     """Write k/v into the cache (unless `kv_written`: a fused op already did), attend, return
-    [T, H * D]. `bf16_products`: prefill attention multiplies in bf16 (see prefill_attention)."""
+    [T, H * D]. `prefill`: which prefill attention runs (see prefill_attention)."""
     c = kv_cache
     if not kv_written:
         write_kv(c, meta.slot_mapping, k, v)
@@ -380,5 +390,5 @@ def paged_attention(
     if decoded is not None:
         out[:nd] = decoded
     if meta.prefill is not None:
-        prefill_attention(q, k, v, c, meta.prefill, out, scale, bf16_products)
+        prefill_attention(q, k, v, c, meta.prefill, out, scale, prefill)
     return out.view(t, h * d)

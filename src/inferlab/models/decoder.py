@@ -140,10 +140,11 @@ class DecoderModel:
         # holds, but such a model's decode steps run per operator.
         self.step_ok = self.backends.decode_step
         # The precision decisions this forward follows (models/precision.py): the linears multiply
-        # bf16 weights in bf16 (the avx512 variant), and prefill attention multiplies in bf16 (there,
-        # beside bf16 or w8a8 weights, models/attention.py).
+        # bf16 weights in bf16 (the avx512 variant), and which prefill attention runs (our flash
+        # attention in bf16 there beside bf16 or w8a8 weights, ours in float32 wherever else our
+        # kernels run the model, else torch's; models/attention.py).
         self.bf16_products = precision.bf16_products
-        self.bf16_attention = precision.bf16_attention
+        self.prefill_attention = precision.prefill_attention
         self._step: object | None = None  # torch.classes.inferlab.DecoderStep, built on first use
         self._step_caches: list | None = None
         line = self.describe_precision()
@@ -260,7 +261,7 @@ class DecoderModel:
                     q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
                 write_kv(cache, meta.slot_mapping, k, v)
-            attn = paged_attention(q, k, v, cache, meta, self.scale, kv_written=True, bf16_products=self.bf16_attention)
+            attn = paged_attention(q, k, v, cache, meta, self.scale, kv_written=True, prefill=self.prefill_attention)
             h = add_norm(x, product(layer.o, attn), layer.post_norm, bf16)
             gate_up = product(layer.gate_up, h)
             if fused:

@@ -53,6 +53,16 @@ class ResolvedPrecision:
         return self.weight_mode == "w8a8"
 
     @property
+    def prefill_attention(self) -> str:
+        """Which prefill attention the model runs (models/attention.py): our flash attention with
+        "bfloat16" products (`bf16_attention`), ours in "float32" wherever else our kernels run the
+        model (oneDNN's float32 micro-kernel: ~1.7x torch's attention at 1,024 tokens, and continuing
+        chunks read the paged cache in place), else "torch" (SDPA)."""
+        if self.bf16_attention:
+            return "bfloat16"
+        return "float32" if self.uses_kernels else "torch"
+
+    @property
     def products(self) -> str:
         """The dtype the matrix products multiply in (their sums are float32 on our kernels)."""
         if self.int8_activations:
@@ -69,7 +79,8 @@ class ResolvedPrecision:
             "compute": dtype_name(self.compute), "weights": dtype_name(self.weights), "weight_mode": self.weight_mode,
             "kv_cache": dtype_name(self.kv_cache), "int8_activations": self.int8_activations,
             "products": self.products, "bf16_products": self.bf16_products,
-            "bf16_attention": self.bf16_attention, "kernel_variant": self.kernel.variant,
+            "bf16_attention": self.bf16_attention, "prefill_attention": self.prefill_attention,
+            "kernel_variant": self.kernel.variant,
             "uses_kernels": self.uses_kernels, "device": self.device, "reasons": list(self.reasons),
         }
         if model is not None:
