@@ -416,7 +416,7 @@ class DecoderStep : public torch::CustomClassHolder {
             wk.x_src = in, wk.x_phase = wk.phase;
           }
           panel_products_bf16(wk.xb.data(), kp, m, lin.k, lin.panels.data_ptr<at::BFloat16>(), r0, rows, lin.scale,
-                              lin.bias, y, ldy);
+                              lin.bias, y, ldy, /*cold=*/true);  // a step reads every weight once
           return;
         }
       }
@@ -432,7 +432,7 @@ class DecoderStep : public torch::CustomClassHolder {
             wk.x_src = in, wk.x_phase = wk.phase;
           }
           panel_products_i8(wk.xq.data(), wk.sx.data(), m, lin.k, lin.i8_panels.data_ptr<int8_t>(), lin.corr, r0, rows,
-                            lin.scale, lin.bias, y, ldy);
+                            lin.scale, lin.bias, y, ldy, /*cold=*/true);
           return;
         }
       }

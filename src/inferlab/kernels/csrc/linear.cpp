@@ -232,7 +232,8 @@ at::Tensor linear_w16(const at::Tensor& x, const at::Tensor& w, const std::optio
 }
 
 // Rows of x per pass over the weights when x has many: 64 bf16 rows of SmolLM2's K stay in L2
-// beside a column tile's panels (at 512 rows, one pass over all of them ran 5-15% slower).
+// beside a column tile's panels (at 512 rows, one pass over all of them ran 5-15% slower). The
+// first pass reads the panels from memory (`cold` to panel_products_*), the later ones from L3.
 constexpr int64_t kPanelRowBlock = 64;
 
 #if defined(__AVX512BF16__)
@@ -274,7 +275,8 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t 
       const int64_t mm = std::min(kPanelRowBlock, M - m0);
       for_block_chunks(panels.size(0), [&](int64_t p0, int64_t p1) {
         const int64_t c0 = p0 * kPanel, c1 = std::min(n, p1 * kPanel);
-        panel_products_bf16(xp + m0 * kp, kp, mm, K, wp, c0, c1 - c0, nullptr, bias_p, yp + m0 * n + c0, n);
+        panel_products_bf16(xp + m0 * kp, kp, mm, K, wp, c0, c1 - c0, nullptr, bias_p, yp + m0 * n + c0, n,
+                            m0 == 0);
       }, kPanelsPerTile);
     }
   };
@@ -324,7 +326,8 @@ at::Tensor linear_panels_i8(const at::Tensor& x, const at::Tensor& panels, const
     const int64_t mm = std::min(kPanelRowBlock, M - m0);
     for_block_chunks(np, [&](int64_t p0, int64_t p1) {
       const int64_t c0 = p0 * kPanel, c1 = std::min(n, p1 * kPanel);
-      panel_products_i8(qp + m0 * ldx, sp + m0 * groups, mm, K, wp, cp, c0, c1 - c0, scp, bias_p, yp + m0 * n + c0, n);
+      panel_products_i8(qp + m0 * ldx, sp + m0 * groups, mm, K, wp, cp, c0, c1 - c0, scp, bias_p, yp + m0 * n + c0, n,
+                        m0 == 0);
     }, kPanelsPerTileI8);
   }
   return y.view(out_sizes);
