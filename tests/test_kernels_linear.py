@@ -18,6 +18,7 @@ from inferlab.config import CacheConfig, LoadConfig
 from inferlab.kernels import build
 from inferlab.kernels.linear import (
     MKL_MIN_ROWS,
+    W16_MKL_MIN_ROWS,
     DenseLinear,
     WeightOnlyLinear,
     make_linear,
@@ -108,6 +109,20 @@ def test_kernel_matches_dequantized_reference(stored, shape, with_bias):
             else:
                 y = torch.ops.inferlab.linear_w16(x, lin.weight, lin.bias, min_rows)
             _check(y, x, lin, rows=0 if min_rows > m else MKL_MIN_ROWS)
+
+
+@needs_kernels
+def test_16bit_weights_in_float32_stay_on_our_kernel_below_their_gemm_switch():
+    """float32 products of float16 weights take our micro-kernel below W16_MKL_MIN_ROWS rows
+    (32 streams verifying 4 drafts each: 160), so a verifying step multiplies as a decode step
+    does; torch's GEMM from there. The two differ in float32 rounding, so each is told apart."""
+    lin = WeightOnlyLinear(_weight(130, 576), torch.float16, torch.randn(130))
+    for m in (160, W16_MKL_MIN_ROWS - 1, W16_MKL_MIN_ROWS):
+        x = torch.randn(m, 576)
+        ours = torch.ops.inferlab.linear_w16(x, lin.weight, lin.bias, 1 << 30)
+        gemm = torch.ops.inferlab.linear_w16(x, lin.weight, lin.bias, 1)
+        assert not torch.equal(ours, gemm)
+        assert torch.equal(lin(x), ours if m < W16_MKL_MIN_ROWS else gemm), m
 
 
 @needs_kernels

@@ -43,6 +43,15 @@ STORED_DTYPES = (torch.float16, torch.bfloat16, torch.int8)
 # ~15-20% behind it at 256-512, where the GEMM on converted tiles is within 1-5% of it.
 MKL_MIN_ROWS = 128
 
+# The same switch for 16-bit weights multiplied in float32 (linear_w16: the AVX2 machines' default,
+# --dtype float32 anywhere): our kernel has since caught up. SmolLM2's gate/up + down + qkv, 2
+# threads, float16 weights, medians of 5 (2026-12-03, Zen 4): held to AVX2 (the avx2 variant,
+# oneDNN and MKL too), ours against the GEMM 2.63 / 3.31 ms at 128 rows, 5.59 / 6.35 at 256, 8.46 /
+# 8.71 at 384, 11.08 / 10.60 at 512; the avx512 variant 2.30 / 3.00 at 128, 4.82 / 5.05 at 256,
+# 7.83 / 7.39 at 384. So the GEMM from 256 rows. Below it are speculative decoding's verifying
+# steps (32 streams with 4 drafts: 160 rows), which then multiply as a plain decode step does.
+W16_MKL_MIN_ROWS = 256
+
 # From this many rows of x on, the avx512 kernels multiply int8 weight-only codes as bf16 tiles by
 # vdpbf16ps, x rounded to bf16 (csrc/matvec.h kI8Bf16MinRows, the same number): converting the
 # codes to float32 in registers made 32 rows 3x slower than bf16 weights.
@@ -259,7 +268,7 @@ class WeightOnlyLinear:
             return ops.linear_panels_i8(x, self.weight, self.row_sums, self.scale, self.out_features, self.bias)
         if self.scale is not None:
             return ops.linear_w8(x, self.weight, self.scale, self.bias, MKL_MIN_ROWS, self.int8_x)
-        return ops.linear_w16(x, self.weight, self.bias, MKL_MIN_ROWS)
+        return ops.linear_w16(x, self.weight, self.bias, W16_MKL_MIN_ROWS)
 
     def product_bf16(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """x @ W^T (+ bias) for bf16 products, x given in float32 or bf16, the output bf16 or
