@@ -501,8 +501,8 @@ class DecoderStep : public torch::CustomClassHolder {
     const int64_t hidden_w = task_width(hidden_, nt), inter_w = task_width(inter, nt);
     const int64_t hidden_tasks = (hidden_ + hidden_w - 1) / hidden_w, inter_tasks = (inter + inter_w - 1) / inter_w;
     // qkv: tasks of whole heads, kTasksPerThread per thread as the other phases, so that a task's
-    // product spans several column tiles, the later ones fetched ahead (matvec.h NextTile). One
-    // head per task: the qkv phase at 32 rows 5.32 ms against 4.66 (Zen 4, 8 alternated rounds).
+    // product spans several column tiles, the later ones fetched ahead (matvec.h NextTile). The
+    // qkv phase at 32 rows: 5.32 ms with one head per task, 4.66 so (Zen 4, 8 alternated rounds).
     const int64_t qkv_heads = h + 2 * kvh;
     const int64_t qkv_hpt = (qkv_heads + kTasksPerThread * nt - 1) / (kTasksPerThread * nt);  // heads per task
     const int64_t qkv_tasks = (qkv_heads + qkv_hpt - 1) / qkv_hpt;

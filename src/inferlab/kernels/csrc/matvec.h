@@ -412,9 +412,10 @@ inline void panel_products_bf16(const uint16_t* xb, int64_t ldx, int64_t M, int6
   auto width = [&](int64_t left) { return std::min<int64_t>(kPanel * (four(left) ? 4 : kPanelsPerTile), left); };
   for (int64_t c = 0; c < rows;) {
     const int64_t left = rows - c, cols = width(left);
+    const bool wide = four(left);  // one tile of 4 panels by kRowsX16 x-rows
     const int np = static_cast<int>((cols + kPanel - 1) / kPanel);
     const int last = static_cast<int>(cols - (np - 1) * kPanel);
-    const int64_t mb = four(left) ? kRowsX16 : kPanelRowsX, tiles = (M + mb - 1) / mb;
+    const int64_t mb = wide ? kRowsX16 : kPanelRowsX, tiles = (M + mb - 1) / mb;
     const uint16_t* wp = w + c * kp;
     // The next column tile's panels, fetched by this one's row tiles when there are several.
     const int64_t next_cols = c + cols < rows ? width(left - cols) : 0;
@@ -439,7 +440,7 @@ inline void panel_products_bf16(const uint16_t* xb, int64_t ldx, int64_t M, int6
       constexpr int MB = decltype(mb_tag)::value;
       panel_tile_bf16<MB, 4>(xb + m * ldx, ldx, wp, kp, stream(m), fetch(m), sc, bs, last, y + m * ldy + c, ldy);
     };
-    if (np == 4) for_row_tiles<kRowsX16>(M, tile4);
+    if (wide) for_row_tiles<kRowsX16>(M, tile4);
     else for_row_tiles<kPanelRowsX>(M, tile);
     c += cols;
   }
