@@ -4,9 +4,9 @@
 // a dispatch from Python (~10-20 us) and a fork/join of the thread pool, and the small matrices
 // (o-proj is 576 x 576) cannot amortise either: at batch 1 that overhead was ~5 ms of a ~19 ms
 // step. Here the threads start once per step and meet at 5 barriers per layer (7 from 4 rows on,
-// where the two norms are split by rows too); inside a phase
-// they take chunks of work from a shared counter (OpenMP's dynamic schedule), so a thread that
-// loses its core to another process for a while simply does less of the phase.
+// where the two norms are split by rows too); inside a phase they take their work in pieces
+// (take_units, below), so a thread that loses its core to another process for a while simply
+// does less of the phase.
 //
 // The phases of a layer, with what each fuses:
 //   norm        h = rms_norm(x) * w (every thread for itself when M is tiny, else split by rows)
@@ -54,6 +54,8 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <memory>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -71,6 +73,65 @@ constexpr int64_t kTasksPerThread = 2;
 constexpr int64_t kColAlign = 16;  // task widths are multiples of 16 columns: whole 64-byte lines of x
 constexpr int64_t kTensorsPerLayer = 13;
 constexpr int64_t kSharedNormRows = 4;  // from this many rows on, a norm is split (and ends in a barrier)
+
+// A product phase's units of work (16 or 48 output columns, or whole heads), shared out.
+// Up to kPanelRowsX rows (one row tile: a decode step of a few streams, bound by the weight
+// stream), each thread streams one contiguous run of weights and the threads end the phase
+// together: thread t owns the units [t * n / nt, (t + 1) * n / nt) and takes them from the front,
+// at most `cap` (a task's width) and half of what it has left at a time; a thread with none left
+// takes one unit at a time from the back of the run with the most left. Why: with a fixed set of
+// tasks taken first come, first served (OpenMP's dynamic schedule), the thread that ends first
+// waits at the barrier for up to a whole task: at batch 1 on a Zen 4 the two threads waited 0.5
+// and 1.2 ms of an ~11 ms step (with matvec.h's panel_row_bf16, the step 10.6 -> 10.1 ms with
+// these runs, 20 alternated rounds in one process; at 4 rows even). From more rows on, the
+// tasks stay whole and in one queue, taken first come, first served: there a product's later
+// column tiles are fetched while its earlier ones run (matvec.h NextTile), which smaller pieces
+// cut short (the step at 32 rows measured 2-12% slower with per-thread runs). Either way a thread
+// that loses its core for a while leaves the rest of its work to the others.
+struct alignas(64) Run {
+  std::atomic<uint64_t> v{0};  // the units not yet taken: first in the high half, end in the low
+};
+
+inline uint64_t pack_run(int64_t lo, int64_t hi) { return static_cast<uint64_t>(lo) << 32 | static_cast<uint64_t>(hi); }
+
+// Before the parallel region: n units, one run per thread (`split`), else all in the first.
+inline void share_out(Run* runs, int64_t nt, int64_t n, bool split) {
+  for (int64_t t = 0; t < nt; ++t) {
+    const int64_t lo = split ? t * n / nt : 0, hi = split ? (t + 1) * n / nt : t == 0 ? n : 0;
+    runs[t].v.store(pack_run(lo, hi), std::memory_order_relaxed);
+  }
+}
+
+// Thread t's next units [u0, u1): `split`, as described above, else a whole task of `cap` units
+// (the last may be shorter). False once every run is empty. Relaxed: what a unit's work reads
+// and writes is ordered by the barriers between phases, not by the claims.
+inline bool take_units(Run* runs, int64_t nt, int64_t t, int64_t cap, bool split, int64_t& u0, int64_t& u1) {
+  uint64_t v = runs[t].v.load(std::memory_order_relaxed);
+  for (;;) {
+    const int64_t lo = static_cast<int64_t>(v >> 32), hi = static_cast<int64_t>(v & 0xffffffffu);
+    if (lo >= hi) break;
+    const int64_t n = split ? std::min(cap, (hi - lo + 1) / 2) : std::min(cap, hi - lo);
+    if (runs[t].v.compare_exchange_weak(v, pack_run(lo + n, hi), std::memory_order_relaxed)) {
+      u0 = lo, u1 = lo + n;
+      return true;
+    }
+  }
+  for (;;) {  // from the back of the run with the most left
+    int64_t victim = -1, most = 0;
+    for (int64_t o = 0; o < nt; ++o) {
+      const uint64_t w = runs[o].v.load(std::memory_order_relaxed);
+      const int64_t left = static_cast<int64_t>(w & 0xffffffffu) - static_cast<int64_t>(w >> 32);
+      if (left > most) most = left, victim = o, v = w;
+    }
+    if (victim < 0) return false;
+    const int64_t lo = static_cast<int64_t>(v >> 32), hi = static_cast<int64_t>(v & 0xffffffffu);
+    const int64_t n = split ? 1 : std::min(cap, hi - lo);  // else a whole task, cap-aligned from the end
+    if (runs[victim].v.compare_exchange_weak(v, pack_run(lo, hi - n), std::memory_order_relaxed)) {
+      u0 = hi - n, u1 = hi;
+      return true;
+    }
+  }
+}
 
 struct Linear {
   at::Tensor w, scale_t, bias_t;          // scale / bias undefined when absent
@@ -450,14 +511,13 @@ class DecoderStep : public torch::CustomClassHolder {
     }
   }
 
-  // x[:, columns c * width ..] += in @ W^T for those columns (o and down: the residual add).
+  // x[:, n0 .. n0 + nn] += in @ W^T for those columns (o and down: the residual add).
   template <typename T>
-  void add_product(const float* in, int64_t m, const Linear& lin, int64_t c, int64_t width, float* x,
+  void add_product(const float* in, int64_t m, const Linear& lin, int64_t n0, int64_t nn, float* x,
                    Work& wk) const {
-    const int64_t n0 = c * width, nn = std::min(width, lin.n - n0);
-    products<T>(in, m, lin, n0, nn, wk.cols.data(), width, wk);
+    products<T>(in, m, lin, n0, nn, wk.cols.data(), nn, wk);
     for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = 0; j < nn; ++j) x[i * hidden_ + n0 + j] += wk.cols[i * width + j];
+      for (int64_t j = 0; j < nn; ++j) x[i * hidden_ + n0 + j] += wk.cols[i * nn + j];
   }
 
   // Columns per task when n columns are shared by nt threads.
@@ -498,14 +558,28 @@ class DecoderStep : public torch::CustomClassHolder {
     const float* cos = cos_.data_ptr<float>();
     const float* sin = sin_.data_ptr<float>();
     const int64_t nt = at::get_num_threads();
-    const int64_t hidden_w = task_width(hidden_, nt), inter_w = task_width(inter, nt);
-    const int64_t hidden_tasks = (hidden_ + hidden_w - 1) / hidden_w, inter_tasks = (inter + inter_w - 1) / inter_w;
+    // The product phases' units (take_units above): columns of o, gate/up and down, 16 at one
+    // row (matvec.h panel_row_bf16 streams panel by panel) and else 48 (a column tile of 3 panels:
+    // a run is cut only between tiles); heads of qkv. A task is at most the width it always was.
+    const bool split = m <= kPanelRowsX;  // one row tile: per-thread runs (take_units)
+    const int64_t unit = m == 1 ? kColAlign : 3 * kColAlign;
+    const int64_t hidden_units = (hidden_ + unit - 1) / unit, inter_units = (inter + unit - 1) / unit;
+    const int64_t hidden_cap = std::max<int64_t>(1, task_width(hidden_, nt) / unit);
+    const int64_t inter_cap = std::max<int64_t>(1, task_width(inter, nt) / unit);
     // qkv: tasks of whole heads, kTasksPerThread per thread as the other phases, so that a task's
     // product spans several column tiles, the later ones fetched ahead (matvec.h NextTile). The
     // qkv phase at 32 rows: 5.32 ms with one head per task, 4.66 so (Zen 4, 8 alternated rounds).
     const int64_t qkv_heads = h + 2 * kvh;
     const int64_t qkv_hpt = (qkv_heads + kTasksPerThread * nt - 1) / (kTasksPerThread * nt);  // heads per task
-    const int64_t qkv_tasks = (qkv_heads + qkv_hpt - 1) / qkv_hpt;
+    constexpr int64_t kShared = 4;  // product phases a layer: qkv, o, gate/up, down
+    const std::unique_ptr<Run[]> shares(new Run[layers_.size() * kShared * nt]);
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      Run* runs = shares.get() + l * kShared * nt;
+      share_out(runs, nt, qkv_heads, split);
+      share_out(runs + nt, nt, hidden_units, split);
+      share_out(runs + 2 * nt, nt, inter_units, split);
+      share_out(runs + 3 * nt, nt, hidden_units, split);
+    }
 
 #pragma omp parallel num_threads(nt)
     {
@@ -515,8 +589,9 @@ class DecoderStep : public torch::CustomClassHolder {
       wk.head.resize(std::max<size_t>(wk.head.size(), m * qkv_hpt * d));
       wk.rot.resize(std::max<size_t>(wk.rot.size(), d));
       wk.h.resize(std::max<size_t>(wk.h.size(), m * hidden_));
-      wk.cols.resize(std::max<size_t>(wk.cols.size(), m * std::max(hidden_w, inter_w)));
-      wk.cols2.resize(std::max<size_t>(wk.cols2.size(), m * inter_w));
+      wk.cols.resize(std::max<size_t>(wk.cols.size(), m * std::max(hidden_cap, inter_cap) * unit));
+      wk.cols2.resize(std::max<size_t>(wk.cols2.size(), m * inter_cap * unit));
+      const int64_t tid = omp_get_thread_num();
 
       PhaseClock clock(profiling_ && omp_get_thread_num() == 0 ? phase_seconds_.data() : nullptr);
       // A phase starts: its clock, and (a product phase: its x is new) the bf16 copy of x is stale.
@@ -530,12 +605,12 @@ class DecoderStep : public torch::CustomClassHolder {
         C* vc = v_caches_[l].data_ptr<C>();
         float* ksc = k_scales_.empty() ? nullptr : k_scales_[l].data_ptr<float>();  // int8 caches only
         float* vsc = v_scales_.empty() ? nullptr : v_scales_[l].data_ptr<float>();
+        Run* runs = shares.get() + l * kShared * nt;  // this layer's qkv, o, gate/up and down
         enter(kQkv);
         const float* hn = norm_rows(x, ly.input_norm, m, hbuf, wk);
 
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < qkv_tasks; ++task) {
-          const int64_t h0 = task * qkv_hpt, h1 = std::min(qkv_heads, h0 + qkv_hpt), w = (h1 - h0) * d;
+        for (int64_t h0, h1; take_units(runs, nt, tid, qkv_hpt, split, h0, h1);) {
+          const int64_t w = (h1 - h0) * d;
           products<T>(hn, m, ly.qkv, h0 * d, w, wk.head.data(), w, wk);
           for (int64_t hh = h0; hh < h1; ++hh)
             for (int64_t i = 0; i < m; ++i) {
@@ -558,6 +633,7 @@ class DecoderStep : public torch::CustomClassHolder {
               }
             }
         }
+#pragma omp barrier
 
         clock.mark(kAttention);
 #pragma omp for schedule(dynamic, 1)
@@ -572,25 +648,27 @@ class DecoderStep : public torch::CustomClassHolder {
         }
 
         enter(kO);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t c = 0; c < hidden_tasks; ++c) add_product<T>(attn, m, ly.o, c, hidden_w, x, wk);
+        for (int64_t u0, u1; take_units(runs + nt, nt, tid, hidden_cap, split, u0, u1);)
+          add_product<T>(attn, m, ly.o, u0 * unit, std::min(u1 * unit, hidden_) - u0 * unit, x, wk);
+#pragma omp barrier
 
         clock.mark(kNorm);
         hn = norm_rows(x, ly.post_norm, m, hbuf, wk);
 
         enter(kGateUp);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t c = 0; c < inter_tasks; ++c) {
-          const int64_t j0 = c * inter_w, nn = std::min(inter_w, inter - j0);
-          products<T>(hn, m, ly.gate_up, j0, nn, wk.cols.data(), inter_w, wk);           // gate
-          products<T>(hn, m, ly.gate_up, inter + j0, nn, wk.cols2.data(), inter_w, wk);  // up
+        for (int64_t u0, u1; take_units(runs + 2 * nt, nt, tid, inter_cap, split, u0, u1);) {
+          const int64_t j0 = u0 * unit, nn = std::min(u1 * unit, inter) - j0;
+          products<T>(hn, m, ly.gate_up, j0, nn, wk.cols.data(), nn, wk);           // gate
+          products<T>(hn, m, ly.gate_up, inter + j0, nn, wk.cols2.data(), nn, wk);  // up
           for (int64_t i = 0; i < m; ++i)
-            silu_mul_row(wk.cols.data() + i * inter_w, wk.cols2.data() + i * inter_w, nn, act + i * inter + j0);
+            silu_mul_row(wk.cols.data() + i * nn, wk.cols2.data() + i * nn, nn, act + i * inter + j0);
         }
+#pragma omp barrier
 
         enter(kDown);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t c = 0; c < hidden_tasks; ++c) add_product<T>(act, m, ly.down, c, hidden_w, x, wk);
+        for (int64_t u0, u1; take_units(runs + 3 * nt, nt, tid, hidden_cap, split, u0, u1);)
+          add_product<T>(act, m, ly.down, u0 * unit, std::min(u1 * unit, hidden_) - u0 * unit, x, wk);
+#pragma omp barrier
       }
 
       clock.mark(kFinalNorm);
