@@ -677,6 +677,40 @@ inline void panel_tile_i8(const uint8_t* x, int64_t ldx, const float* sx, int64_
   }
 }
 
+// panel_tile_i8 for one row of x, np panels from wp on, one panel after the other (as
+// panel_row_bf16, for the same reason: one linear stream). Two sums per group hide vpdpbusd's
+// latency. The w8a8 batch-1 decode step of SmolLM2 on a Zen 4, 12 alternated rounds in one
+// process: 7.97 -> 6.69 ms.
+inline void panel_row_i8(const uint8_t* x, const float* sx, int64_t groups, const int8_t* wp, const int32_t* corr,
+                         int64_t np, int last, const float* scale, const float* bias, float* y) {
+  const int64_t ps = kPanel * groups * kI8Group;  // bytes per panel
+  for (int64_t j = 0; j < np; ++j) {
+    const int8_t* w = wp + j * ps;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512i s0 = _mm512_loadu_si512(corr + (j * groups + g) * kPanel), s1 = _mm512_setzero_si512();
+      const uint8_t* xg = x + g * kI8Group;
+      const int8_t* wg = w + g * kI8Group * kPanel;
+      auto dot = [&](__m512i s, int q) {
+        int32_t quad;
+        std::memcpy(&quad, xg + 4 * q, sizeof(quad));
+        return _mm512_dpbusd_epi32(s, _mm512_set1_epi32(quad), _mm512_loadu_si512(wg + q * 4 * kPanel));
+      };
+#pragma GCC unroll 8
+      for (int q = 0; q < kI8Group / 4; q += 2) {
+        s0 = dot(s0, q);
+        s1 = dot(s1, q + 1);
+      }
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_set1_ps(sx[g]), acc);
+    }
+    const int cols = j == np - 1 ? last : static_cast<int>(kPanel);
+    const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+    const __m512 sv = _mm512_maskz_loadu_ps(mask, scale + j * kPanel);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + j * kPanel) : _mm512_setzero_ps();
+    _mm512_mask_storeu_ps(y + j * kPanel, mask, _mm512_fmadd_ps(acc, sv, bv));
+  }
+}
+
 // row_products_i8's product (below, the AVX2 variant's) for int8 codes in panels
 // (kernels/linear.py pack_panels_i8 of an [N, K] matrix, corrections `corr` [N / 16, groups,
 // 16]) and x already quantized (xq: M rows of stride groups * 64, sx: M x groups scales,
@@ -688,6 +722,12 @@ inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int
   const int64_t groups = i8_groups(K), ldx = groups * kI8Group;
   const int8_t* w = panels + r0 * ldx;               // panel r0 / 16
   const int32_t* cw = corr + r0 * groups;            // its corrections
+  if (M == 1) {  // one row: the panels one after the other (panel_row_i8)
+    const int64_t np = (rows + kPanel - 1) / kPanel;
+    panel_row_i8(xq, sx, groups, w, cw, np, static_cast<int>(rows - (np - 1) * kPanel), scale + r0,
+                 bias ? bias + r0 : nullptr, y);
+    return;
+  }
   const int64_t tiles = (M + kPanelRowsXI8 - 1) / kPanelRowsXI8;
   for (int64_t c = 0; c < rows;) {
     const int64_t cols = std::min<int64_t>(kPanel * kPanelsPerTileI8, rows - c);
