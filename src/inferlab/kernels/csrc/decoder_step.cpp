@@ -82,7 +82,7 @@ constexpr int64_t kSharedNormRows = 4;  // from this many rows on, a norm is spl
 // takes one unit at a time from the back of the run with the most left. Why: with a fixed set of
 // tasks taken first come, first served (OpenMP's dynamic schedule), the thread that ends first
 // waits at the barrier for up to a whole task: at batch 1 on a Zen 4 the two threads waited 0.5
-// and 1.2 ms of an ~11 ms step (with matvec.h's panel_row_bf16, the step 10.6 -> 10.1 ms with
+// and 1.2 ms of an ~11 ms step (with matvec.h's panel_rows_bf16, the step 10.6 -> 10.1 ms with
 // these runs, 20 alternated rounds in one process; at 4 rows even). From more rows on, the
 // tasks stay whole and in one queue, taken first come, first served: there a product's later
 // column tiles are fetched while its earlier ones run (matvec.h NextTile), which smaller pieces
@@ -559,7 +559,7 @@ class DecoderStep : public torch::CustomClassHolder {
     const float* sin = sin_.data_ptr<float>();
     const int64_t nt = at::get_num_threads();
     // The product phases' units (take_units above): columns of o, gate/up and down, 16 at one
-    // row (matvec.h panel_row_bf16 streams panel by panel) and else 48 (a column tile of 3 panels:
+    // row (matvec.h panel_rows_bf16 streams panel by panel) and else 48 (a column tile of 3 panels:
     // a run is cut only between tiles); heads of qkv. A task is at most the width it always was.
     const bool split = m <= kPanelRowsX;  // one row tile: per-thread runs (take_units)
     const int64_t unit = m == 1 ? kColAlign : 3 * kColAlign;

@@ -390,42 +390,57 @@ inline void panel_tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, 
   }
 }
 
-// One row of x (bf16, kp values) times np panels from wp on (each 16 * kp values), one panel
-// after the other: y[16j + c] = dot(x, panel j's column c) (* scale + bias, either null); the
-// last panel stores `last` <= 16 columns. Why: at one row there is no x to share between panels,
-// and a tile of 3 panels read side by side is 3 interleaved streams 2 * kp * 16 bytes apart,
-// which memory serves more slowly than one linear stream (2 threads of a Zen 4 reading
-// SmolLM2-sized runs: 24-28 GB/s against 28-32). Four sums per panel hide vdpbf16ps's latency.
-// The batch-1 decode step of SmolLM2 on that Zen 4, 20 alternated rounds in one process: 13.2
-// -> 10.6 ms with this alone, 10.1 with decoder_step.cpp's per-thread runs too.
-template <typename Y>
-inline void panel_row_bf16(const uint16_t* x, const uint16_t* wp, int64_t kp, int64_t np, int last,
-                           const float* scale, const float* bias, Y* y) {
+// MB rows of x (bf16, stride ldx) times np panels from wp on (each 16 * kp values), one panel
+// after the other: y[i * ldy + 16j + c] = dot(x row i, panel j's column c) (* scale + bias,
+// either null); the last panel stores `last` <= 16 columns. Why: a tile of 3 panels read side by
+// side is 3 interleaved streams 2 * kp * 16 bytes apart, which memory serves more slowly than one
+// linear stream (2 threads of a Zen 4 reading SmolLM2-sized runs: 24-28 GB/s against 28-32); with
+// a few rows nothing is lost by reading x once per panel. U sums per row (4 chains or more) hide
+// vdpbf16ps's latency. SmolLM2's decode step on that Zen 4, alternated rounds in one process
+// against the 3-panel tiles: 1 row 13.2 -> 10.6 ms (20 rounds; 10.1 with decoder_step.cpp's
+// per-thread runs too), 2 rows 13.2 -> 11.3, 3 rows 12.4 -> 11.5, 4 rows 14.6 -> 14.3, 5 rows 16.4
+// -> 17.0, 8 rows 16.7 -> 20.0 (10 rounds each): hence up to kPanelStreamRows rows, where the
+// broadcasts of x, one per row and 64 bytes of weights, do not yet bind.
+constexpr int kPanelStreamRows = 3;
+template <int MB, typename Y>
+inline void panel_rows_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t kp, int64_t np, int last,
+                            const float* scale, const float* bias, Y* y, int64_t ldy) {
+  constexpr int U = MB == 1 ? 4 : MB <= 3 ? 2 : 1;
   const int64_t steps = kp / 2;  // k pairs: 64 bytes of a panel each
   for (int64_t j = 0; j < np; ++j) {
     const uint16_t* w = wp + j * kPanel * kp;
-    auto dot = [&](__m512 acc, int64_t p) {
-      int32_t pair;
-      std::memcpy(&pair, x + 2 * p, sizeof(pair));
-      const __m512i b = _mm512_set1_epi32(pair);
+    __m512 acc[U][MB];
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u)
+#pragma GCC unroll 8
+      for (int i = 0; i < MB; ++i) acc[u][i] = _mm512_setzero_ps();
+    auto step = [&](__m512* a, int64_t p) {
       const __m512i v = _mm512_loadu_si512(w + p * 2 * kPanel);
-      return _mm512_dpbf16_ps(acc, reinterpret_cast<const __m512bh&>(b), reinterpret_cast<const __m512bh&>(v));
+      const __m512bh wv = reinterpret_cast<const __m512bh&>(v);
+#pragma GCC unroll 8
+      for (int i = 0; i < MB; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, x + i * ldx + 2 * p, sizeof(pair));
+        const __m512i b = _mm512_set1_epi32(pair);
+        a[i] = _mm512_dpbf16_ps(a[i], reinterpret_cast<const __m512bh&>(b), wv);
+      }
     };
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
     int64_t p = 0;
-    for (; p + 4 <= steps; p += 4) {
-      a0 = dot(a0, p);
-      a1 = dot(a1, p + 1);
-      a2 = dot(a2, p + 2);
-      a3 = dot(a3, p + 3);
-    }
-    for (; p < steps; ++p) a0 = dot(a0, p);
-    const __m512 acc = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+    for (; p + U <= steps; p += U)
+#pragma GCC unroll 4
+      for (int u = 0; u < U; ++u) step(acc[u], p + u);
+    for (; p < steps; ++p) step(acc[0], p);
     const int cols = j == np - 1 ? last : static_cast<int>(kPanel);
     const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
     const __m512 sv = scale ? _mm512_maskz_loadu_ps(mask, scale + j * kPanel) : _mm512_set1_ps(1.0f);
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + j * kPanel) : _mm512_setzero_ps();
-    store16(y + j * kPanel, mask, _mm512_fmadd_ps(acc, sv, bv));
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) {
+      __m512 sum = acc[0][i];
+#pragma GCC unroll 4
+      for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[u][i]);
+      store16(y + i * ldy + j * kPanel, mask, _mm512_fmadd_ps(sum, sv, bv));
+    }
   }
 }
 
@@ -444,10 +459,14 @@ inline void panel_products_bf16(const uint16_t* xb, int64_t ldx, int64_t M, int6
                                 bool cold) {
   const int64_t kp = panel_k(K);
   const uint16_t* w = reinterpret_cast<const uint16_t*>(panels) + r0 * kp;  // panel r0 / 16
-  if (M == 1) {  // one row: the panels one after the other (panel_row_bf16)
+  if (M <= kPanelStreamRows) {  // a few rows: the panels one after the other (panel_rows_bf16)
     const int64_t np = (rows + kPanel - 1) / kPanel;
-    panel_row_bf16(xb, w, kp, np, static_cast<int>(rows - (np - 1) * kPanel), scale ? scale + r0 : nullptr,
-                   bias ? bias + r0 : nullptr, y);
+    const int last = static_cast<int>(rows - (np - 1) * kPanel);
+    const float* sc = scale ? scale + r0 : nullptr;
+    const float* bs = bias ? bias + r0 : nullptr;
+    for_row_tiles<kPanelStreamRows>(M, [&](auto mb_tag, int64_t m) {
+      panel_rows_bf16<decltype(mb_tag)::value>(xb + m * ldx, ldx, w, kp, np, last, sc, bs, y + m * ldy, ldy);
+    });
     return;
   }
   // Tiles of 3 panels by 8 x-rows; where 4 panels are left (a 64-wide head of qkv), one tile of
@@ -677,37 +696,53 @@ inline void panel_tile_i8(const uint8_t* x, int64_t ldx, const float* sx, int64_
   }
 }
 
-// panel_tile_i8 for one row of x, np panels from wp on, one panel after the other (as
-// panel_row_bf16, for the same reason: one linear stream). Two sums per group hide vpdpbusd's
-// latency. The w8a8 batch-1 decode step of SmolLM2 on a Zen 4, 12 alternated rounds in one
-// process: 7.97 -> 6.69 ms.
-inline void panel_row_i8(const uint8_t* x, const float* sx, int64_t groups, const int8_t* wp, const int32_t* corr,
-                         int64_t np, int last, const float* scale, const float* bias, float* y) {
+// panel_tile_i8 for MB rows of x (one row tile), np panels from wp on, one panel after the
+// other (as panel_rows_bf16, for the same reason: one linear stream). Two sums per group at one
+// row hide vpdpbusd's latency. The w8a8 decode step of SmolLM2 on a Zen 4, alternated rounds in
+// one process against the 3-panel tiles: 1 row 7.97 -> 6.69 ms (12 rounds), 4 rows 9.67 -> 8.13.
+template <int MB>
+inline void panel_rows_i8(const uint8_t* x, int64_t ldx, const float* sx, int64_t groups, const int8_t* wp,
+                          const int32_t* corr, int64_t np, int last, const float* scale, const float* bias, float* y,
+                          int64_t ldy) {
+  constexpr int U = MB == 1 ? 2 : 1;
   const int64_t ps = kPanel * groups * kI8Group;  // bytes per panel
   for (int64_t j = 0; j < np; ++j) {
     const int8_t* w = wp + j * ps;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      __m512i s0 = _mm512_loadu_si512(corr + (j * groups + g) * kPanel), s1 = _mm512_setzero_si512();
-      const uint8_t* xg = x + g * kI8Group;
-      const int8_t* wg = w + g * kI8Group * kPanel;
-      auto dot = [&](__m512i s, int q) {
-        int32_t quad;
-        std::memcpy(&quad, xg + 4 * q, sizeof(quad));
-        return _mm512_dpbusd_epi32(s, _mm512_set1_epi32(quad), _mm512_loadu_si512(wg + q * 4 * kPanel));
-      };
+    __m512 acc[MB];
 #pragma GCC unroll 8
-      for (int q = 0; q < kI8Group / 4; q += 2) {
-        s0 = dot(s0, q);
-        s1 = dot(s1, q + 1);
+    for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512i s[U][MB];
+      const __m512i c = _mm512_loadu_si512(corr + (j * groups + g) * kPanel);
+#pragma GCC unroll 8
+      for (int i = 0; i < MB; ++i) {
+        s[0][i] = c;
+        if constexpr (U > 1) s[1][i] = _mm512_setzero_si512();
       }
-      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_set1_ps(sx[g]), acc);
+      const int8_t* wg = w + g * kI8Group * kPanel;
+#pragma GCC unroll 16
+      for (int q = 0; q < kI8Group / 4; ++q) {
+        const __m512i wv = _mm512_loadu_si512(wg + q * 4 * kPanel);
+#pragma GCC unroll 8
+        for (int i = 0; i < MB; ++i) {
+          int32_t quad;
+          std::memcpy(&quad, x + i * ldx + g * kI8Group + 4 * q, sizeof(quad));
+          s[q % U][i] = _mm512_dpbusd_epi32(s[q % U][i], _mm512_set1_epi32(quad), wv);
+        }
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < MB; ++i) {
+        __m512i t = s[0][i];
+        if constexpr (U > 1) t = _mm512_add_epi32(t, s[1][i]);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(sx[i * groups + g]), acc[i]);
+      }
     }
     const int cols = j == np - 1 ? last : static_cast<int>(kPanel);
     const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
     const __m512 sv = _mm512_maskz_loadu_ps(mask, scale + j * kPanel);
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + j * kPanel) : _mm512_setzero_ps();
-    _mm512_mask_storeu_ps(y + j * kPanel, mask, _mm512_fmadd_ps(acc, sv, bv));
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) _mm512_mask_storeu_ps(y + i * ldy + j * kPanel, mask, _mm512_fmadd_ps(acc[i], sv, bv));
   }
 }
 
@@ -722,10 +757,14 @@ inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int
   const int64_t groups = i8_groups(K), ldx = groups * kI8Group;
   const int8_t* w = panels + r0 * ldx;               // panel r0 / 16
   const int32_t* cw = corr + r0 * groups;            // its corrections
-  if (M == 1) {  // one row: the panels one after the other (panel_row_i8)
+  if (M <= kPanelRowsXI8) {  // one row tile: the panels one after the other (panel_rows_i8)
     const int64_t np = (rows + kPanel - 1) / kPanel;
-    panel_row_i8(xq, sx, groups, w, cw, np, static_cast<int>(rows - (np - 1) * kPanel), scale + r0,
-                 bias ? bias + r0 : nullptr, y);
+    const int last = static_cast<int>(rows - (np - 1) * kPanel);
+    const float* bs = bias ? bias + r0 : nullptr;
+    for_row_tiles<kPanelRowsXI8>(M, [&](auto mb_tag, int64_t m) {
+      panel_rows_i8<decltype(mb_tag)::value>(xq + m * ldx, ldx, sx + m * groups, groups, w, cw, np, last, scale + r0,
+                                             bs, y + m * ldy, ldy);
+    });
     return;
   }
   const int64_t tiles = (M + kPanelRowsXI8 - 1) / kPanelRowsXI8;
