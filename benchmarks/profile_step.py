@@ -12,7 +12,10 @@ dispatch, and everything no bucket names. Medians are per step.
 
 Each column also gets its roof, from this machine measured in the same run (`measure_cpu`:
 streaming read bandwidth, the matmul rate of the products the model runs: int8 for w8a8, bf16
-where it multiplies in bf16, else float32): a decode step cannot beat (weight bytes + the
+where it multiplies in bf16, else float32), read again just before each of the case's timed
+runs, because a shared host's bandwidth moves between spells minutes long (the same sum read
+28 and 40 GB/s ten minutes apart here): each run is held against the roof read seconds before
+it, and the % shown is the median of the three. A decode step cannot beat (weight bytes + the
 K/V bytes its sequences' contexts hold) / bandwidth, a prefill step 2 × parameters × tokens
 (+ attention's 2 × 2 × layers × heads × head dim per query-key pair) / FLOP rate. The roof is
 held against the step timed with no profiler attached ("step, no profiler", runs alternated
@@ -151,13 +154,12 @@ def mean_context(prompt_len: int, decodes_before: int, steps: int) -> float:
     return prompt_len + decodes_before + 1 + (steps - 1) / 2
 
 
-def roofs(llm: LLM, bandwidth: float, flops: float, steps: int) -> tuple[dict[str, float], dict[str, float], int]:
+def roofs(llm: LLM, bandwidth: float, flops: float, steps: int) -> tuple[dict[str, float], dict[str, float]]:
     """Seconds per step at the machine's roof, per case of `main` (see the module docstring):
     the larger of the bytes over the bandwidth and the FLOPs over the matmul rate (at 32
     sequences the compute roof binds on this CPU, in a prefill always). Then the same per part,
     summed: the matmuls' (weight bytes, their FLOPs) plus attention's (K/V bytes, its FLOPs),
-    each at its own binding roof, since a step runs them one after the other. Also the weight
-    bytes."""
+    each at its own binding roof, since a step runs them one after the other."""
     mc = llm.engine.model_config
     kv_per_token = llm.engine.runner.kv_bytes_per_token  # as stored (an int8 cache's scales included)
     wb = llm.engine.runner.model.decode_weight_nbytes
@@ -181,7 +183,7 @@ def roofs(llm: LLM, bandwidth: float, flops: float, steps: int) -> tuple[dict[st
         "prefill, 512 tokens": roof(512, 1, attention_pairs(0, 512), 0),
         "prefill, 8 x 256 tokens": roof(2048, 8, 8 * attention_pairs(0, 256), 0),
     }
-    return {n: r[0] for n, r in cases.items()}, {n: r[1] for n, r in cases.items()}, wb
+    return {n: r[0] for n, r in cases.items()}, {n: r[1] for n, r in cases.items()}
 
 
 def main() -> None:
@@ -211,30 +213,38 @@ def main() -> None:
     # decided on bf16 products, float32 otherwise.
     precision = llm.engine.precision
     rate = "int8" if precision.int8_activations and "int8" in hw.flops else "bf16" if precision.bf16_products else "fp32"
-    roof, parts, wb = roofs(llm, hw.memory_bandwidth, hw.flops[rate], args.steps)
+    wb = llm.engine.runner.model.decode_weight_nbytes
     print(f"model {llm.engine.model_name}, {precision.describe(llm.engine.model_config)}, weights {wb / 1e6:.0f} MB, "
           f"threads {torch.get_num_threads()}, load avg {os.getloadavg()[0]:.2f}; measured here: "
           f"{hw.memory_bandwidth / 1e9:.1f} GB/s read, {hw.flops[rate] / 1e9:.0f} GFLOP/s {rate} matmul")
-    results = {}
+    results, roof, parts, reads = {}, {}, {}, []
     for name, (prompts, max_tokens, skip) in cases.items():
         steps = 1 if max_tokens == 1 else args.steps
-        runs, plain = [], []
-        for _ in range(3):  # alternated: profiled (the breakdown), then plain (the step's time)
+        runs, plain, whole_r, parts_r = [], [], [], []
+        for _ in range(3):  # alternated: profiled (the breakdown), the roof read, then plain (the step's time)
             runs.append(profile_steps(llm, prompts, max_tokens, steps, skip))
+            hw = measure_cpu(array_mib=512, repeats=3)
+            reads.append((hw.memory_bandwidth, hw.flops[rate]))
+            w, p = roofs(llm, hw.memory_bandwidth, hw.flops[rate], args.steps)
+            whole_r.append(w[name])
+            parts_r.append(p[name])
             plain.append(time_steps(llm, prompts, max_tokens, steps, skip))
         results[name] = {k: statistics.median(r.get(k, 0.0) for r in runs) for k in runs[0]}
         results[name]["step, no profiler"] = statistics.median(plain)
+        roof[name] = (statistics.median(whole_r), statistics.median(r / t for r, t in zip(whole_r, plain)))
+        parts[name] = (statistics.median(parts_r), statistics.median(r / t for r, t in zip(parts_r, plain)))
     keys = ["matmul", "attention", "elementwise/other ops", "(of which sampling)", "scheduling", "detokenize/outputs",
             "python/other", "step total", "step, no profiler"]
     print(f"{'ms per step':<24}" + "".join(f"{n:>30}" for n in results))
     for k in keys:
         print(f"{k:<24}" + "".join(f"{r.get(k, 0.0) * 1000:>30.2f}" for r in results.values()))
-    print(f"{'roof (see docstring)':<24}" + "".join(f"{roof[n] * 1000:>30.2f}" for n in results))
-    print(f"{'% of roof (no profiler)':<24}" + "".join(f"{100 * roof[n] / r['step, no profiler']:>29.0f}%"
-                                                   for n, r in results.items()))
-    print(f"{'parts roof (docstring)':<24}" + "".join(f"{parts[n] * 1000:>30.2f}" for n in results))
-    print(f"{'% of parts roof':<24}" + "".join(f"{100 * parts[n] / r['step, no profiler']:>29.0f}%"
-                                           for n, r in results.items()))
+    print(f"{'roof (see docstring)':<24}" + "".join(f"{roof[n][0] * 1000:>30.2f}" for n in results))
+    print(f"{'% of roof (no profiler)':<24}" + "".join(f"{100 * roof[n][1]:>29.0f}%" for n in results))
+    print(f"{'parts roof (docstring)':<24}" + "".join(f"{parts[n][0] * 1000:>30.2f}" for n in results))
+    print(f"{'% of parts roof':<24}" + "".join(f"{100 * parts[n][1]:>29.0f}%" for n in results))
+    bw, fl = [r[0] / 1e9 for r in reads], [r[1] / 1e9 for r in reads]
+    print(f"roofs read before the timed runs: {min(bw):.1f}-{max(bw):.1f} GB/s (median {statistics.median(bw):.1f}), "
+          f"{min(fl):.0f}-{max(fl):.0f} GFLOP/s {rate} (median {statistics.median(fl):.0f})")
 
 
 if __name__ == "__main__":

@@ -502,6 +502,27 @@ def test_w8a8_is_int8_x_per_64_values_times_the_codes(m, k):
     assert float((plain(x) - lin(x)).abs().max()) > 1e-6  # the two modes really differ
 
 
+@needs_kernels
+@pytest.mark.parametrize("mode", ["bf16 panels", "w8a8"])
+def test_a_rows_products_are_the_same_bits_at_every_row_count(mode):
+    """Batching and speculative verification change no greedy token: a row's outputs do not
+    depend on how many rows share the call, though a few rows stream the panels one after the
+    other and more go in tiles of 3 (matvec.h panel_rows_bf16 / _i8): the same sums, in the same
+    order, in every form."""
+    info = build.kernel_info()
+    if mode == "bf16 panels" and not info.bf16_dot:
+        pytest.skip(f"bf16 panels are the AVX512_BF16 variant's layout; this process has {info.variant}")
+    if mode == "w8a8" and not info.int8_dot:
+        pytest.skip(f"w8a8 needs an integer dot product; this process has {info.variant}")
+    n, k = 200, 576
+    stored, int8_x = (torch.bfloat16, False) if mode == "bf16 panels" else (torch.int8, True)
+    lin = WeightOnlyLinear(_weight(n, k), stored, torch.randn(n), int8_activations=int8_x)
+    x = torch.randn(40, k)
+    every = lin(x)
+    for m in range(1, 17):
+        torch.testing.assert_close(lin(x[:m]), every[:m], rtol=0, atol=0, msg=f"{m} rows")
+
+
 def _variant_in_child(variant: str, code: str) -> None:
     env = {**os.environ, "INFERLAB_KERNELS": variant}
     proc = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"

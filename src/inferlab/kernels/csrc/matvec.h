@@ -395,26 +395,26 @@ inline void panel_tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, 
 // either null); the last panel stores `last` <= 16 columns. Why: a tile of 3 panels read side by
 // side is 3 interleaved streams 2 * kp * 16 bytes apart, which memory serves more slowly than one
 // linear stream (2 threads of a Zen 4 reading SmolLM2-sized runs: 24-28 GB/s against 28-32); with
-// a few rows nothing is lost by reading x once per panel. U sums per row (4 chains or more) hide
-// vdpbf16ps's latency. SmolLM2's decode step on that Zen 4, alternated rounds in one process
+// a few rows nothing is lost by reading x once per panel. One sum per row and panel, in k order,
+// as panel_tile_bf16 keeps it: a row's sums are the same bits at every row count, so batching
+// and speculative verification change no token (tests/test_kernels_linear.py); at one row it runs
+// as fast as four sums split over k (11.46 against 11.58 ms, 14 rounds). SmolLM2's decode step on that Zen 4, alternated rounds in one process
 // against the 3-panel tiles: 1 row 13.2 -> 10.6 ms (20 rounds; 10.1 with decoder_step.cpp's
 // per-thread runs too), 2 rows 13.2 -> 11.3, 3 rows 12.4 -> 11.5, 4 rows 14.6 -> 14.3, 5 rows 16.4
-// -> 17.0, 8 rows 16.7 -> 20.0 (10 rounds each): hence up to kPanelStreamRows rows, where the
-// broadcasts of x, one per row and 64 bytes of weights, do not yet bind.
+// -> 17.0, 8 rows 16.7 -> 20.0 (10 rounds each; these with the sums split over k): hence up to
+// kPanelStreamRows rows, where the broadcasts of x, one per row and 64 bytes of weights, do not
+// yet bind.
 constexpr int kPanelStreamRows = 3;
 template <int MB, typename Y>
 inline void panel_rows_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t kp, int64_t np, int last,
                             const float* scale, const float* bias, Y* y, int64_t ldy) {
-  constexpr int U = MB == 1 ? 4 : MB <= 3 ? 2 : 1;
   const int64_t steps = kp / 2;  // k pairs: 64 bytes of a panel each
   for (int64_t j = 0; j < np; ++j) {
     const uint16_t* w = wp + j * kPanel * kp;
-    __m512 acc[U][MB];
-#pragma GCC unroll 4
-    for (int u = 0; u < U; ++u)
+    __m512 acc[MB];
 #pragma GCC unroll 8
-      for (int i = 0; i < MB; ++i) acc[u][i] = _mm512_setzero_ps();
-    auto step = [&](__m512* a, int64_t p) {
+    for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < steps; ++p) {
       const __m512i v = _mm512_loadu_si512(w + p * 2 * kPanel);
       const __m512bh wv = reinterpret_cast<const __m512bh&>(v);
 #pragma GCC unroll 8
@@ -422,25 +422,15 @@ inline void panel_rows_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, 
         int32_t pair;
         std::memcpy(&pair, x + i * ldx + 2 * p, sizeof(pair));
         const __m512i b = _mm512_set1_epi32(pair);
-        a[i] = _mm512_dpbf16_ps(a[i], reinterpret_cast<const __m512bh&>(b), wv);
+        acc[i] = _mm512_dpbf16_ps(acc[i], reinterpret_cast<const __m512bh&>(b), wv);
       }
-    };
-    int64_t p = 0;
-    for (; p + U <= steps; p += U)
-#pragma GCC unroll 4
-      for (int u = 0; u < U; ++u) step(acc[u], p + u);
-    for (; p < steps; ++p) step(acc[0], p);
+    }
     const int cols = j == np - 1 ? last : static_cast<int>(kPanel);
     const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
     const __m512 sv = scale ? _mm512_maskz_loadu_ps(mask, scale + j * kPanel) : _mm512_set1_ps(1.0f);
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + j * kPanel) : _mm512_setzero_ps();
 #pragma GCC unroll 8
-    for (int i = 0; i < MB; ++i) {
-      __m512 sum = acc[0][i];
-#pragma GCC unroll 4
-      for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[u][i]);
-      store16(y + i * ldy + j * kPanel, mask, _mm512_fmadd_ps(sum, sv, bv));
-    }
+    for (int i = 0; i < MB; ++i) store16(y + i * ldy + j * kPanel, mask, _mm512_fmadd_ps(acc[i], sv, bv));
   }
 }
 
