@@ -397,13 +397,13 @@ inline void panel_tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, 
 // linear stream (2 threads of a Zen 4 reading SmolLM2-sized runs: 24-28 GB/s against 28-32); with
 // a few rows nothing is lost by reading x once per panel. One sum per row and panel, in k order,
 // as panel_tile_bf16 keeps it: a row's sums are the same bits at every row count, so batching
-// and speculative verification change no token (tests/test_kernels_linear.py); at one row it runs
-// as fast as four sums split over k (11.46 against 11.58 ms, 14 rounds). SmolLM2's decode step on that Zen 4, alternated rounds in one process
-// against the 3-panel tiles: 1 row 13.2 -> 10.6 ms (20 rounds; 10.1 with decoder_step.cpp's
-// per-thread runs too), 2 rows 13.2 -> 11.3, 3 rows 12.4 -> 11.5, 4 rows 14.6 -> 14.3, 5 rows 16.4
-// -> 17.0, 8 rows 16.7 -> 20.0 (10 rounds each; these with the sums split over k): hence up to
-// kPanelStreamRows rows, where the broadcasts of x, one per row and 64 bytes of weights, do not
-// yet bind.
+// and speculative verification change no token (tests/test_kernels_linear.py); at one row it
+// runs as fast as four sums split over k (11.46 against 11.58 ms, 14 rounds). SmolLM2's decode
+// step on that Zen 4, alternated rounds in one process against the 3-panel tiles: 1 row 13.2 ->
+// 10.6 ms (20 rounds; 10.1 with decoder_step.cpp's per-thread runs too), 2 rows 13.2 -> 11.3, 3
+// rows 12.4 -> 11.5, 4 rows 14.6 -> 14.3, 5 rows 16.4 -> 17.0, 8 rows 16.7 -> 20.0 (10 rounds
+// each; these with the sums split over k): hence up to kPanelStreamRows rows, where the
+// broadcasts of x, one per row and 64 bytes of weights, do not yet bind.
 constexpr int kPanelStreamRows = 3;
 template <int MB, typename Y>
 inline void panel_rows_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t kp, int64_t np, int last,
@@ -688,7 +688,8 @@ inline void panel_tile_i8(const uint8_t* x, int64_t ldx, const float* sx, int64_
 
 // panel_tile_i8 for MB rows of x (one row tile), np panels from wp on, one panel after the
 // other (as panel_rows_bf16, for the same reason: one linear stream). Two sums per group at one
-// row hide vpdpbusd's latency. The w8a8 decode step of SmolLM2 on a Zen 4, alternated rounds in
+// row hide vpdpbusd's latency; integer sums are exact, so a row's outputs are still the same bits
+// at every row count. The w8a8 decode step of SmolLM2 on a Zen 4, alternated rounds in
 // one process against the 3-panel tiles: 1 row 7.97 -> 6.69 ms (12 rounds), 4 rows 9.67 -> 8.13.
 template <int MB>
 inline void panel_rows_i8(const uint8_t* x, int64_t ldx, const float* sx, int64_t groups, const int8_t* wp,
