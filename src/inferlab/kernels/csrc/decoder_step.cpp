@@ -571,6 +571,12 @@ class DecoderStep : public torch::CustomClassHolder {
     // qkv phase at 32 rows: 5.32 ms with one head per task, 4.66 so (Zen 4, 8 alternated rounds).
     const int64_t qkv_heads = h + 2 * kvh;
     const int64_t qkv_hpt = (qkv_heads + kTasksPerThread * nt - 1) / (kTasksPerThread * nt);  // heads per task
+    // Each sequence's attention visiting order (attention.h visit_order): the same for every
+    // layer and KV head, so computed once a step rather than in each of their tasks.
+    int64_t max_len = 1;
+    for (int64_t i = 0; i < m; ++i) max_len = std::max<int64_t>(max_len, lens[i]);
+    const int64_t vstride = inferlab_attention::visit_len(max_len);
+    const std::unique_ptr<int64_t[]> visit(new int64_t[m * vstride]);
     constexpr int64_t kShared = 4;  // product phases a layer: qkv, o, gate/up, down
     const std::unique_ptr<Run[]> shares(new Run[layers_.size() * kShared * nt]);
     for (size_t l = 0; l < layers_.size(); ++l) {
@@ -592,6 +598,13 @@ class DecoderStep : public torch::CustomClassHolder {
       wk.cols.resize(std::max<size_t>(wk.cols.size(), m * std::max(hidden_cap, inter_cap) * unit));
       wk.cols2.resize(std::max<size_t>(wk.cols2.size(), m * inter_cap * unit));
       const int64_t tid = omp_get_thread_num();
+
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < m; ++i) {
+        wk.attn.lin.resize(std::max<size_t>(wk.attn.lin.size(), lens[i]));
+        inferlab_attention::visit_order(tables + i * max_blocks, lens[i], block_size_, d, wk.attn.lin.data(),
+                                        visit.get() + i * vstride);
+      }
 
       PhaseClock clock(profiling_ && omp_get_thread_num() == 0 ? phase_seconds_.data() : nullptr);
       // A phase starts: its clock, and (a product phase: its x is new) the bf16 copy of x is stale.
@@ -644,7 +657,8 @@ class DecoderStep : public torch::CustomClassHolder {
                                                      ksc ? ksc + kh * num_slots : nullptr,
                                                      vsc ? vsc + kh * num_slots : nullptr,
                                                      tables + i * max_blocks, lens[i], block_size_, d, g,
-                                                     attn_scale_, attn + off, wk.attn);
+                                                     attn_scale_, attn + off, wk.attn,
+                                                     visit.get() + i * vstride);
         }
 
         enter(kO);
