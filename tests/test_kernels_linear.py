@@ -254,6 +254,26 @@ def test_int8_panels_pack_unpack_and_their_corrections(shape):
 
 
 @needs_kernels
+@pytest.mark.parametrize("shape", [(1, 2), (17, 45), (50, 130)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_panel_rows_gathers_rows_exactly_from_either_panel_layout(shape):
+    """The embedding lookup of a tied lm_head kept in panels: float32 rows, exactly the stored
+    values (bf16 and int8 widen exactly), any order and repeats; a row past the panels is an
+    IndexError, a layout it does not know a clear error."""
+    n, k = shape
+    ids = torch.tensor([n - 1, 0, n // 2, n - 1])
+    w = _weight(n, k).bfloat16()
+    got = torch.ops.inferlab.panel_rows(pack_panels(w), ids, k)
+    assert got.dtype == torch.float32 and torch.equal(got, w[ids].float())
+    q, _ = quantize_int8(_weight(n, k))
+    assert torch.equal(torch.ops.inferlab.panel_rows(pack_panels_i8(q), ids, k), q[ids].float())
+    assert torch.ops.inferlab.panel_rows(pack_panels(w), ids[:0], k).shape == (0, k)
+    with pytest.raises(IndexError, match="outside"):
+        torch.ops.inferlab.panel_rows(pack_panels(w), torch.tensor([-(-n // 16) * 16]), k)
+    with pytest.raises(RuntimeError, match="panels must be"):
+        torch.ops.inferlab.panel_rows(w, ids, k)
+
+
+@needs_kernels
 @BF16_PANELS
 @pytest.mark.parametrize("shape", [(17, 45), (200, 576), (48, 64)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_panel_products_in_every_form(shape):

@@ -301,7 +301,10 @@ class WeightOnlyLinear:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows in the compute dtype: an embedding lookup from the stored table, so a
         tied embedding needs no second, full-precision copy."""
-        r = self.codes(ids).to(self.compute_dtype)
+        if (self.bf16_products or self.i8_panels) and self.compute_dtype == torch.float32:
+            r = torch.ops.inferlab.panel_rows(self.weight, ids, self.in_features)  # one call, not five
+        else:
+            r = self.codes(ids).to(self.compute_dtype)
         if self.scale is not None:
             r = r * self.scale.index_select(0, ids).to(self.compute_dtype)[:, None]
         return r
