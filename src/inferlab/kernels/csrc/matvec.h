@@ -442,11 +442,13 @@ inline void panel_rows_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, 
 // the panels come from memory (a decode step's weights), so with more than one row tile, each
 // column tile after the first is fetched while the row tiles of the one before run (NextTile);
 // else (a prefill's later row blocks, whose panels are in L3) the fetches only cost: measured
-// on a Zen 4 with the weights in L3, 216 -> 206 GFLOP/s on one core.
+// on a Zen 4 with the weights in L3, 216 -> 206 GFLOP/s on one core. `after` (or null): panels
+// the caller multiplies next (its next task's first columns, `after_cols` of them), fetched the
+// same way by the last column tile, so that a task's first tile does not start cold either.
 template <typename Y>
 inline void panel_products_bf16(const uint16_t* xb, int64_t ldx, int64_t M, int64_t K, const at::BFloat16* panels,
                                 int64_t r0, int64_t rows, const float* scale, const float* bias, Y* y, int64_t ldy,
-                                bool cold) {
+                                bool cold, const at::BFloat16* after = nullptr, int64_t after_cols = 0) {
   const int64_t kp = panel_k(K);
   const uint16_t* w = reinterpret_cast<const uint16_t*>(panels) + r0 * kp;  // panel r0 / 16
   if (M <= kPanelStreamRows) {  // a few rows: the panels one after the other (panel_rows_bf16)
@@ -471,8 +473,12 @@ inline void panel_products_bf16(const uint16_t* xb, int64_t ldx, int64_t M, int6
     const int last = static_cast<int>(cols - (np - 1) * kPanel);
     const int64_t mb = wide ? kRowsX16 : kPanelRowsX, tiles = (M + mb - 1) / mb;
     const uint16_t* wp = w + c * kp;
-    // The next column tile's panels, fetched by this one's row tiles when there are several.
-    const int64_t next_cols = c + cols < rows ? width(left - cols) : 0;
+    // The next column tile's panels (or `after`'s), fetched by this one's row tiles when there are several.
+    const bool last_tile = c + cols >= rows;
+    const int64_t next_cols = !last_tile ? width(left - cols)
+                              : after    ? std::min<int64_t>(after_cols, kPanel * kPanelsPerTile)
+                                         : 0;
+    const uint16_t* next_ptr = !last_tile ? wp + np * kPanel * kp : reinterpret_cast<const uint16_t*>(after);
     const int64_t next_bytes = cold && tiles > 1 ? (next_cols + kPanel - 1) / kPanel * kPanel * kp * 2 : 0;
     const bool fetched = cold && c > 0 && tiles > 1;  // the row tiles before fetched this one
     const float* sc = scale ? scale + r0 + c : nullptr;
@@ -480,7 +486,7 @@ inline void panel_products_bf16(const uint16_t* xb, int64_t ldx, int64_t M, int6
     // Row tile m / mb's stream flag and share of the next column tile.
     auto stream = [&](int64_t m) { return m == 0 && !fetched; };
     auto fetch = [&](int64_t m) {
-      return NextTile(next_bytes ? wp + np * kPanel * kp : nullptr, next_bytes, m / mb, tiles, kp / 2);
+      return NextTile(next_bytes ? next_ptr : nullptr, next_bytes, m / mb, tiles, kp / 2);
     };
     auto tile = [&](auto mb_tag, int64_t m) {
       constexpr int MB = decltype(mb_tag)::value;
