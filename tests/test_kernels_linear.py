@@ -523,19 +523,21 @@ def test_w8a8_is_int8_x_per_64_values_times_the_codes(m, k):
 
 
 @needs_kernels
-@pytest.mark.parametrize("mode", ["bf16 panels", "w8a8"])
+@pytest.mark.parametrize("mode", ["bf16 panels", "w8a8", "float16 rows"])
 def test_a_rows_products_are_the_same_bits_at_every_row_count(mode):
     """Batching and speculative verification change no greedy token: a row's outputs do not
     depend on how many rows share the call, though a few rows stream the panels one after the
-    other and more go in tiles of 3 (matvec.h panel_rows_bf16 / _i8): the same sums, in the same
-    order, in every form."""
+    other and more go in tiles of 3 (matvec.h panel_rows_bf16 / _i8), and float16 rows go in
+    tiles of 3 rows, 4-6 rows by pairs of weight rows (dot_tile / dot_pair): the same sums, in
+    the same order, in every form."""
     info = build.kernel_info()
     if mode == "bf16 panels" and not info.bf16_dot:
         pytest.skip(f"bf16 panels are the AVX512_BF16 variant's layout; this process has {info.variant}")
     if mode == "w8a8" and not info.int8_dot:
         pytest.skip(f"w8a8 needs an integer dot product; this process has {info.variant}")
     n, k = 200, 576
-    stored, int8_x = (torch.bfloat16, False) if mode == "bf16 panels" else (torch.int8, True)
+    stored, int8_x = {"bf16 panels": (torch.bfloat16, False), "w8a8": (torch.int8, True),
+                      "float16 rows": (torch.float16, False)}[mode]
     lin = WeightOnlyLinear(_weight(n, k), stored, torch.randn(n), int8_activations=int8_x)
     x = torch.randn(40, k)
     every = lin(x)
