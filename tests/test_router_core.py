@@ -126,6 +126,23 @@ def test_stale_metrics_are_unknown_not_zero():
     assert state.external_load(clock.t + 3) is None
 
 
+def test_the_routers_own_requests_that_ended_since_the_scrape_are_not_someone_elses():
+    """The report counted the router's 5 requests and 3 from another client; the 5 end before
+    the next scrape. Other clients' load stays 3 (not 8 - 0), so an idle replica holding the
+    prefix does not look busy for up to a scrape period."""
+    clock = Clock()
+    fleet = Fleet(["x"], LeastLoad(), metrics_max_age_s=2.0, clock=clock)
+    state = fleet.replicas["x"].state
+    tickets = [state.acquire(100, 100, clock.t) for _ in range(5)]
+    fleet.probe_ok("x", metrics=ReplicaMetrics(scraped_at=clock.t, running=8))
+    assert state.external_load(clock.t) == 3
+    for t in tickets:
+        state.release(t)
+    assert state.external_load(clock.t + 1) == 3
+    state.acquire(100, 100, clock.t + 1)  # sent after the scrape: the report could not have seen it
+    assert state.external_load(clock.t + 1) == 3
+
+
 def test_round_robin_cycles():
     p = RoundRobin()
     views = [ReplicaView("a"), ReplicaView("b")]

@@ -3,7 +3,10 @@ replica last reported on /metrics, with the report's age.
 
 The router's own counts are always right for its own traffic (a ticket is taken at dispatch
 and released exactly once, whatever happens to the request); the scraped metrics add what
-other clients send, but only while fresh: a stale report is unknown, never zero.
+other clients send, but only while fresh: a stale report is unknown, never zero. What other
+clients send is the report less the router's own requests *when it was scraped*: the router's
+requests that ended since would otherwise count as someone else's until the next scrape, and a
+replica that just finished a burst (holding the prefix the next request wants) would look busy.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class ReplicaState:
         self.ewma = ewma
         self.tickets: dict[int, Ticket] = {}
         self.metrics: ReplicaMetrics | None = None
+        self.own_at_scrape = 0  # the router's requests there when `metrics` was read
         self.info = ReplicaInfo()
         self.completed = 0
         self.failed = 0
@@ -111,7 +115,9 @@ class ReplicaState:
 
     # ------------------------------------------------------------------ what the replica reports
     def update_metrics(self, metrics: ReplicaMetrics) -> None:
+        """A report just read: the router's own requests there now are the ones it counts."""
         self.metrics = metrics
+        self.own_at_scrape = self.in_flight
 
     def fresh_metrics(self, now: float) -> ReplicaMetrics | None:
         """The last report if it is younger than metrics_max_age_s, else None (unknown)."""
@@ -121,8 +127,9 @@ class ReplicaState:
         return m
 
     def external_load(self, now: float) -> float | None:
-        """Requests the replica holds beyond the router's own (other clients); None = unknown."""
+        """Requests the replica held beyond the router's own (other clients) at the last scrape;
+        None = unknown."""
         m = self.fresh_metrics(now)
         if m is None:
             return None
-        return max(0.0, m.running + m.waiting - self.in_flight)
+        return max(0.0, m.running + m.waiting - self.own_at_scrape)
