@@ -759,7 +759,11 @@ inline void panel_tile_i8(const uint8_t* x, int64_t ldx, const float* sx, int64_
 // other (as panel_rows_bf16, for the same reason: one linear stream). Two sums per group at one
 // row hide vpdpbusd's latency; integer sums are exact, so a row's outputs are still the same bits
 // at every row count. The w8a8 decode step of SmolLM2 on a Zen 4, alternated rounds in
-// one process against the 3-panel tiles: 1 row 7.97 -> 6.69 ms (12 rounds), 4 rows 9.67 -> 8.13.
+// one process against the 3-panel tiles: 1 row 7.97 -> 6.69 ms (12 rounds), 4 rows 9.67 -> 8.13;
+// and up to kPanelStreamRowsI8 rows in one pass (2 sums a row: 16 of the 32 zmm registers)
+// against a tile of 4 rows plus one of the rest: 5 rows (speculative verification at K = 4)
+// 10.93 -> 8.95 ms (10 rounds), 8 rows 11.72 -> 10.34 (8 rounds).
+constexpr int kPanelStreamRowsI8 = 8;
 template <int MB>
 inline void panel_rows_i8(const uint8_t* x, int64_t ldx, const float* sx, int64_t groups, const int8_t* wp,
                           const int32_t* corr, int64_t np, int last, const float* scale, const float* bias, float* y,
@@ -817,11 +821,11 @@ inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int
   const int64_t groups = i8_groups(K), ldx = groups * kI8Group;
   const int8_t* w = panels + r0 * ldx;               // panel r0 / 16
   const int32_t* cw = corr + r0 * groups;            // its corrections
-  if (M <= kPanelRowsXI8) {  // one row tile: the panels one after the other (panel_rows_i8)
+  if (M <= kPanelStreamRowsI8) {  // the panels one after the other (panel_rows_i8), every row at once
     const int64_t np = (rows + kPanel - 1) / kPanel;
     const int last = static_cast<int>(rows - (np - 1) * kPanel);
     const float* bs = bias ? bias + r0 : nullptr;
-    for_row_tiles<kPanelRowsXI8>(M, [&](auto mb_tag, int64_t m) {
+    for_row_tiles<kPanelStreamRowsI8>(M, [&](auto mb_tag, int64_t m) {
       panel_rows_i8<decltype(mb_tag)::value>(xq + m * ldx, ldx, sx + m * groups, groups, w, cw, np, last, scale + r0,
                                              bs, y + m * ldy, ldy);
     });
