@@ -249,21 +249,27 @@ inline __m256 fold512(__m512 a) {  // 16 lanes -> 8, the sums of the two halves
   return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
 }
 
+// How a panel tile's weight loads prefetch (load_panels below).
+enum PanelPrefetch : int {
+  kPrefetchNone = 0,   // the panels are in cache (another row tile read or fetched them)
+  kPrefetchAhead = 1,  // from memory: each stream prefetched `ahead` bytes further, into L1
+  kPrefetchFar = 2,    // that, and 4 x `ahead` further into L2 (see below)
+};
+
 // The next 64 bytes of each of NB panels (panel j's at wp + j * ps + at, in bytes), each stream
-// prefetched `ahead` bytes further when the panels come from memory (`stream` 1 or 2): a panel
-// tile's weight loads. `stream` 2: also 4 x `ahead` further into L2, for a tile that is its
+// prefetched as `stream` says: a panel tile's weight loads. kPrefetchFar, for a tile that is its
 // product's only row tile (4-8 rows of x): no NextTile fetch runs beside it, and its 3 interleaved
 // streams with the L1 prefetch alone read the lm_head at 5 rows at ~23 GB/s where one row's linear
 // stream reads ~45. The decode step at 4 / 5 / 8 rows on a Zen 4, in-process A/B rounds
 // alternated: 14.32 -> 12.88, 13.18 -> 12.61, 17.83 -> 15.38 ms (10-14 rounds; speculative
-// verification at K = 4 is 5 rows). At 32 rows (tiles fetched ahead) 2 measured slower.
+// verification at K = 4 is 5 rows). At 32 rows (tiles fetched ahead) it measured slower.
 template <int NB>
-inline void load_panels(const void* wp, int64_t ps, int64_t at, int stream, int64_t ahead, __m512i* out) {
+inline void load_panels(const void* wp, int64_t ps, int64_t at, PanelPrefetch stream, int64_t ahead, __m512i* out) {
 #pragma GCC unroll 4
   for (int j = 0; j < NB; ++j) {
     const char* src = static_cast<const char*>(wp) + j * ps + at;
-    if (stream) _mm_prefetch(src + ahead, _MM_HINT_T0);
-    if (stream == 2) _mm_prefetch(src + 4 * ahead, _MM_HINT_T1);
+    if (stream != kPrefetchNone) _mm_prefetch(src + ahead, _MM_HINT_T0);
+    if (stream == kPrefetchFar) _mm_prefetch(src + 4 * ahead, _MM_HINT_T1);
     out[j] = _mm512_loadu_si512(src);
   }
 }
@@ -416,7 +422,7 @@ inline void store16(at::BFloat16* y, __mmask16 mask, __m512 v) {
 // the last panel stores `last` <= 16 columns. `stream`: the panels come from memory (prefetched
 // ahead, load_panels); `fetch`: this row tile's share of the next column tile.
 template <int MB, int NB, typename Y>
-inline void panel_tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t kp, int stream,
+inline void panel_tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t kp, PanelPrefetch stream,
                             NextTile fetch, const float* scale, const float* bias, int last, Y* y, int64_t ldy) {
   constexpr int64_t kAhead = kPrefetchBytes / NB;  // bytes ahead in each panel's stream
   const int64_t ps = kPanel * kp;                  // values per panel
@@ -547,7 +553,9 @@ inline void panel_products_bf16(const uint16_t* xb, int64_t ldx, int64_t M, int6
     const float* sc = scale ? scale + r0 + c : nullptr;
     const float* bs = bias ? bias + r0 + c : nullptr;
     // Row tile m / mb's prefetch (load_panels `stream`) and share of the next column tile.
-    auto stream = [&](int64_t m) { return m == 0 && !fetched ? (tiles == 1 ? 2 : 1) : 0; };
+    auto stream = [&](int64_t m) {
+      return m > 0 || fetched ? kPrefetchNone : tiles == 1 ? kPrefetchFar : kPrefetchAhead;
+    };
     auto fetch = [&](int64_t m) {
       return NextTile(next_bytes ? next_ptr : nullptr, next_bytes, m / mb, tiles, kp / 2);
     };
@@ -704,8 +712,8 @@ inline void quantize_rows_u8(const float* x, int64_t M, int64_t K, uint8_t* dst,
 // from memory (prefetched ahead); `fetch`: this row tile's share of the next column tile.
 template <int MB, int NB>
 inline void panel_tile_i8(const uint8_t* x, int64_t ldx, const float* sx, int64_t groups, const int8_t* wp,
-                          const int32_t* corr, bool stream, NextTile fetch, const float* scale, const float* bias,
-                          int last, float* y, int64_t ldy) {
+                          const int32_t* corr, PanelPrefetch stream, NextTile fetch, const float* scale,
+                          const float* bias, int last, float* y, int64_t ldy) {
   constexpr int64_t kAhead = kPrefetchBytes / NB;  // bytes ahead in each panel's stream
   const int64_t ps = kPanel * groups * kI8Group;   // bytes per panel
   __m512 acc[MB][NB];
@@ -849,7 +857,7 @@ inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int
       const uint8_t* xt = xq + m * ldx;
       const float* st = sx + m * groups;
       float* yt = y + m * ldy + c;
-      const bool stream = m == 0 && !fetched;
+      const PanelPrefetch stream = m == 0 && !fetched ? kPrefetchAhead : kPrefetchNone;
       const NextTile fetch(next_bytes ? wp + np * kPanel * ldx : nullptr, next_bytes, m / kPanelRowsXI8, tiles,
                            ldx / 4);
       if (np == 3) panel_tile_i8<MB, 3>(xt, ldx, st, groups, wp, cp, stream, fetch, sc, bs, last, yt, ldy);
