@@ -45,8 +45,9 @@ def test_auto_takes_the_fastest_path_the_machine_runs():
 def test_what_a_model_or_a_cache_lacks_downgrades_one_part_and_says_why():
     qwen3 = _select(qk_norm=True)  # the decode step applies q/k norms; the fused layer cannot
     assert qwen3.decode_step and not qwen3.fused_layers and "q/k norms" in qwen3.reasons[0]
-    bf16_kv = _select(dtype="float32", cache_dtype="bfloat16")  # the step kernel reads no bf16 K/V
-    assert bf16_kv.paged_decode and not bf16_kv.decode_step and "bfloat16" in bf16_kv.reasons[0]
+    for kv in ("float32", "bfloat16", "float16", "int8"):  # every cache the paged kernel reads, the step reads
+        cache = _select(dtype="float32", cache_dtype=kv)
+        assert cache.paged_decode and cache.decode_step and cache.reasons == (), kv
     bf16 = _select("step", dtype="bfloat16")  # bf16 activations: no fused kernels, eager layers
     assert (bf16.decode_step, bf16.fused_layers) == (False, False) and "float32 activations" in bf16.reasons[0]
     assert bf16.paged_decode  # the attention kernel takes a bf16 query

@@ -176,6 +176,63 @@ def test_kernel_float32_query_on_16bit_cache(dtype):
     torch.testing.assert_close(got, sdpa_reference(q, kc, vc, tables, ctx, 16, 0.1), atol=1e-5, rtol=1e-5)
 
 
+needs_bf16_dot = pytest.mark.skipif(
+    not build.kernel_info().bf16_dot,
+    reason=f"bf16 decode attention needs the kernels' avx512 variant (AVX512_BF16); this process has "
+           f"{build.kernel_info().variant}")
+
+
+def bf16_reference(q, k_cache, v_cache, tables, lens, block_size, scale):
+    """decode attention with bf16 products, from the definition: the scaled query and the
+    probabilities rounded to bf16 (K and V are bf16 already), everything else float64, the
+    probabilities normalised by their rounded sum."""
+    b, h, d = q.shape
+    group = h // k_cache.shape[0]
+    out = torch.empty(b, h, d, dtype=torch.float64)
+    for i in range(b):
+        n = int(lens[i])
+        slots = torch.tensor([int(tables[i, p // block_size]) * block_size + p % block_size for p in range(n)])
+        for j in range(h):
+            k, v = k_cache[j // group, slots].double(), v_cache[j // group, slots].double()
+            s = k @ (q[i, j].float() * scale).bfloat16().double()
+            p = torch.exp(s - s.max()).bfloat16().double()
+            out[i, j] = p @ v / p.sum()
+    return out
+
+
+@needs_kernels
+@needs_bf16_dot
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (64, 1), (64, 4), (128, 2), (128, 5)])
+def test_kernel_bf16_dot_rounds_as_prefill_attention(head_dim, group):
+    """bf16_dot (a bfloat16 cache beside bf16 products): the kernel's result is the bf16-rounded
+    definition's, far closer to it than float32 arithmetic on the same cache is."""
+    q, kc, vc, tables, ctx = make_case(33, 2 * group, 2, head_dim, LENS_33, dtype=torch.bfloat16, seed=head_dim + group)
+    q = torch.randn(q.shape, generator=torch.Generator().manual_seed(group))
+    scale = head_dim**-0.5
+    got = decode_attention_kernel(q, kc, vc, tables, ctx, 16, scale, bf16_dot=True)
+    exact = decode_attention_kernel(q, kc, vc, tables, ctx, 16, scale)
+    want = bf16_reference(q, kc, vc, tables, ctx, 16, scale)
+    torch.testing.assert_close(got.double(), want, atol=2e-3, rtol=1e-2)
+    assert (got.double() - want).abs().mean() < 0.1 * (exact.double() - want).abs().mean()
+
+
+@needs_kernels
+@needs_bf16_dot
+def test_kernel_bf16_dot_other_head_dims_stay_float32():
+    """At a head_dim with no vdpbf16ps pass (80) bf16_dot runs the float32 arithmetic."""
+    q, kc, vc, tables, ctx = make_case(5, 6, 2, 80, LENS_ONE, dtype=torch.bfloat16)
+    q = q.float()
+    got = decode_attention_kernel(q, kc, vc, tables, ctx, 16, 0.1, bf16_dot=True)
+    assert torch.equal(got, decode_attention_kernel(q, kc, vc, tables, ctx, 16, 0.1))
+
+
+@needs_kernels
+def test_kernel_bf16_dot_needs_a_bf16_cache_and_the_instruction():
+    q, kc, vc, tables, ctx = make_case(2, 4, 2, 64, [3, 20], dtype=torch.float16)
+    with pytest.raises((ValueError, RuntimeError), match="bf16_dot needs a bfloat16 cache"):
+        decode_attention_kernel(q.float(), kc, vc, tables, ctx, 16, 0.1, bf16_dot=True)
+
+
 @needs_kernels
 def test_kernel_batch_invariant():
     """A request's output does not depend on what else is in the batch."""

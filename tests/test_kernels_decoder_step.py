@@ -120,6 +120,22 @@ def test_decode_step_with_a_float16_cache(models, monkeypatch, arch):
     assert_same_greedy(step, ops)
 
 
+@pytest.mark.skipif(not build.kernel_info().bf16_dot,
+                    reason=f"bf16 attention needs the kernels' avx512 variant (AVX512_BF16); this process has "
+                           f"{build.kernel_info().variant}")
+def test_decode_step_with_a_bfloat16_cache_attends_in_bf16_as_the_operators_do(tmp_path, monkeypatch):
+    """bf16 weights and a bfloat16 cache (the avx512 variant's "auto"): the step's attention and
+    the paged kernel's both multiply by vdpbf16ps (head_dim 64, a group of 2 heads), so the two
+    paths give the same tokens; the precision says so once for both."""
+    path = make_tiny_hf_model(tmp_path / "d64", arch="llama", hidden_size=128, head_dim=64, num_attention_heads=4,
+                              num_key_value_heads=2)
+    step = _generate(path, monkeypatch, True, "bfloat16", 6, kv_cache_dtype="bfloat16")
+    ops = _generate(path, monkeypatch, False, "bfloat16", 6, kv_cache_dtype="bfloat16")
+    assert_same_greedy(step, ops, tol=5e-3, top_ids=True)
+    llm = LLM(str(path), dtype="float32", weight_dtype="bfloat16", kv_cache_dtype="bfloat16", num_kv_blocks=16)
+    assert llm.engine.runner.model.precision.bf16_decode_attention
+
+
 def test_float16_cache_through_plain_torch_matches_the_kernels(models, monkeypatch):
     """The plain-operator paths (no fused operators, SDPA decode attention) convert to and from a
     float16 cache and give the kernels' tokens."""

@@ -119,6 +119,13 @@ def test_the_reasons_say_why_not_the_fast_path():
     fast = resolve_precision(LoadConfig(), kernel=build.KernelInfo("avx512", ()))
     assert fast.reasons == () and fast.products == "bfloat16" and fast.weight_mode == "bfloat16"
     assert "K/V float16" in fast.describe() and "our avx512 kernels, bfloat16 products" in fast.describe()
+    # decode attention multiplies in bf16 over a bfloat16 cache beside bf16 prefill attention only
+    assert fast.bf16_attention and not fast.bf16_decode_attention  # "auto" K/V: float16, float32 arithmetic
+    bf16_kv = resolve_precision(LoadConfig(), CacheConfig(cache_dtype="bfloat16"), kernel=build.KernelInfo("avx512", ()))
+    assert bf16_kv.bf16_decode_attention
+    f32 = resolve_precision(LoadConfig(dtype="float32"), CacheConfig(cache_dtype="bfloat16"),
+                            kernel=build.KernelInfo("avx512", ()))
+    assert not f32.bf16_attention and not f32.bf16_decode_attention  # float32 products: float32 attention
     with pytest.raises(dataclasses.FrozenInstanceError):  # nobody downstream changes a decision
         fast.compute = torch.float16  # type: ignore[misc]
 

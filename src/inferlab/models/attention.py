@@ -222,11 +222,14 @@ def decode_attention_kernel(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    bf16_dot: bool = False,
 ) -> torch.Tensor:
     """q [B, H, D] -> [B, H, D], K/V read through the block tables; needs our kernels.
-    With k_scale / v_scale the caches are int8 codes, dequantized in registers."""
+    With k_scale / v_scale the caches are int8 codes, dequantized in registers. `bf16_dot`
+    (`ResolvedPrecision.bf16_decode_attention`, a bfloat16 cache): q and P rounded to bf16 and
+    multiplied by vdpbf16ps, else float32 arithmetic."""
     return torch.ops.inferlab.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, block_size, scale,
-                                                     k_scale, v_scale)
+                                                     k_scale, v_scale, bf16_dot)
 
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
@@ -367,9 +370,11 @@ def paged_attention(
     scale: float,
     kv_written: bool = False,
     prefill: str = "torch",
+    bf16_decode: bool = False,
 ) -> torch.Tensor:
     """Write k/v into the cache (unless `kv_written`: a fused op already did), attend, return
-    [T, H * D]. `prefill`: which prefill attention runs (see prefill_attention)."""
+    [T, H * D]. `prefill`: which prefill attention runs (see prefill_attention); `bf16_decode`:
+    the paged decode kernel multiplies in bf16 (see decode_attention_kernel)."""
     c = kv_cache
     if not kv_written:
         write_kv(c, meta.slot_mapping, k, v)
@@ -381,7 +386,7 @@ def paged_attention(
         g = meta.decode
         if isinstance(g, PagedDecode):
             decoded = decode_attention_kernel(q[:nd], c.k, c.v, g.block_tables, g.context_lens, g.block_size, scale,
-                                              c.k_scale, c.v_scale)
+                                              c.k_scale, c.v_scale, bf16_decode)
         else:
             decoded = decode_attention_sdpa(q[:nd], c.k, c.v, g.slots, g.mask, scale, c.k_scale, c.v_scale)
         if nd == t:  # all decodes (most steps): no copy into a shared output

@@ -19,9 +19,8 @@ from inferlab.models.precision import ResolvedPrecision, dtype_name
 
 __all__ = ["ATTENTION", "FORWARD", "Backends", "select_backends"]
 
-# The K/V caches the whole-step decode kernel (kernels/csrc/decoder_step.cpp) reads and writes,
-# and those the paged decode-attention kernel (attention.cpp) reads (int8: codes + scales).
-STEP_CACHE_DTYPES = (torch.float32, torch.float16, torch.int8)
+# The K/V caches the paged decode-attention kernel (attention.cpp) reads (int8: codes + scales),
+# and so the whole-step decode kernel (kernels/csrc/decoder_step.cpp), which runs its tasks.
 PAGED_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
 
 
@@ -104,7 +103,7 @@ def select_backends(precision: ResolvedPrecision, model: ModelConfig, forward: s
     name = forward if forward != "auto" else ("step" if precision.uses_kernels else "eager")
     want = FORWARD[name]
     fused = want.fused_layers and precision.uses_kernels and not model.qk_norm
-    step = want.decode_step and precision.uses_kernels and paged and kv in STEP_CACHE_DTYPES
+    step = want.decode_step and precision.uses_kernels and paged
     if want.fused_layers and not precision.uses_kernels:
         reasons.append(f"forward {name} runs eager: the fused kernels take float32 activations on the CPU "
                        f"where our kernels load (here: {precision.products} products on {precision.device}, "
@@ -112,6 +111,5 @@ def select_backends(precision: ResolvedPrecision, model: ModelConfig, forward: s
     elif want.fused_layers and not fused:
         reasons.append("layers eager: the fused layer cannot apply per-head q/k norms")
     if want.decode_step and precision.uses_kernels and not step:
-        reasons.append("no decode-step kernel: it needs the paged decode attention and "
-                       f"{', '.join(dtype_name(d) for d in STEP_CACHE_DTYPES)} K/V (here {dtype_name(kv)})")
+        reasons.append("no decode-step kernel: it runs the paged decode attention, not sdpa")
     return Backends(name, step, fused, paged, on_cpu and precision.kernel.available, tuple(reasons))

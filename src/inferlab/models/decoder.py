@@ -261,7 +261,8 @@ class DecoderModel:
                     q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
                 write_kv(cache, meta.slot_mapping, k, v)
-            attn = paged_attention(q, k, v, cache, meta, self.scale, kv_written=True, prefill=self.prefill_attention)
+            attn = paged_attention(q, k, v, cache, meta, self.scale, kv_written=True, prefill=self.prefill_attention,
+                                   bf16_decode=self.precision.bf16_decode_attention)
             h = add_norm(x, product(layer.o, attn), layer.post_norm, bf16)
             gate_up = product(layer.gate_up, h)
             if fused:
@@ -295,7 +296,8 @@ class DecoderModel:
                 step = torch.classes.inferlab.DecoderStep(
                     tensors, self.final_norm, self.cos, self.sin, [kv.k for kv in kv_caches],
                     [kv.v for kv in kv_caches],
-                    [c.num_heads, c.num_kv_heads, c.head_dim, block_size, int(self.int8_activations)],
+                    [c.num_heads, c.num_kv_heads, c.head_dim, block_size, int(self.int8_activations),
+                     int(self.precision.bf16_decode_attention)],
                     c.rms_norm_eps, self.scale)
                 if kv_caches[0].quantized:
                     step.set_kv_scales([kv.k_scale for kv in kv_caches], [kv.v_scale for kv in kv_caches])

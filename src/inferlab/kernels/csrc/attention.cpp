@@ -13,6 +13,9 @@
 //                                   token and KV head, models/kv_cache.py); q then float32
 //   block_tables [B, max_blocks]    int32 or int64; row b lists sequence b's blocks in order
 //   context_lens [B]                int32 or int64; positions 0 .. len-1 are attended
+//   bf16_dot     bool               a bfloat16 cache with q and P rounded to bf16, multiplied by
+//                                   vdpbf16ps (the avx512 variant; attention.h decode_task_dot),
+//                                   as prefill attention's bf16 flavour multiplies; else float32
 //   -> out       [B, H, D]          q's dtype
 //
 // Per task: pass 1 computes the G = H / kvH rows of scores (8 K rows at a time, one horizontal
@@ -20,7 +23,7 @@
 // exp; pass 2 accumulates the probability-weighted V rows, tile by tile so that each V tile is
 // loaded from memory once and reused from L1 for all G heads. Two passes rather than an online
 // softmax: the buffer is G x context floats (tiny), and the normalisation stays exact.
-// All arithmetic is fp32 whatever the storage (16-bit rows and int8 codes are widened in
+// Without bf16_dot all arithmetic is fp32 whatever the storage (16-bit rows and int8 codes are widened in
 // registers; an int8 row's scale multiplies its score and its probability, attention.h).
 // Fast paths for head_dim 64 and 128 (loops unrolled at compile time); any other head_dim works.
 // 16-bit and float32 caches at those head dims take grouped passes that widen each K / V row
@@ -44,7 +47,7 @@ using namespace inferlab_attention;  // decode_heads, Scratch, check_tables
 template <typename T, typename Q>
 void decode_all(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& tables,
                 const at::Tensor& lens, int64_t bs, double scale, at::Tensor& out, const at::Tensor& ks = {},
-                const at::Tensor& vs = {}) {
+                const at::Tensor& vs = {}, bool dot = false) {
   const int64_t b = q.size(0), h = q.size(1), d = q.size(2);
   const int64_t kvh = kc.size(0), slots = kc.size(1), maxb = tables.size(1);
   const int64_t g_heads = h / kvh;
@@ -71,18 +74,18 @@ void decode_all(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
       const float* khs = ksp ? ksp + kh * slots : nullptr;
       const float* vhs = vsp ? vsp + kh * slots : nullptr;
       decode_heads<T, Q>(qi, kbase, vbase, khs, vhs, tp + i * maxb, lp[i], bs, d, g_heads, static_cast<float>(scale),
-                         oi, s);
+                         oi, s, nullptr, dot);
     }
   });
 }
 
 template <typename T>
 void decode_dispatch_q(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& tables,
-                       const at::Tensor& lens, int64_t bs, double scale, at::Tensor& out) {
+                       const at::Tensor& lens, int64_t bs, double scale, at::Tensor& out, bool dot) {
   if (q.scalar_type() == at::kFloat)
-    decode_all<T, float>(q, kc, vc, tables, lens, bs, scale, out);
+    decode_all<T, float>(q, kc, vc, tables, lens, bs, scale, out, {}, {}, dot);
   else
-    decode_all<T, T>(q, kc, vc, tables, lens, bs, scale, out);
+    decode_all<T, T>(q, kc, vc, tables, lens, bs, scale, out, {}, {}, dot);
 }
 
 // An int8 cache's scales: both present, float32, contiguous, [kvH, slots] like the cache's rows.
@@ -101,7 +104,7 @@ void check_scales(const at::Tensor& cache, const std::optional<at::Tensor>& ks, 
 at::Tensor paged_attention_decode(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables_in, const at::Tensor& context_lens_in,
                                   int64_t block_size, double scale, const std::optional<at::Tensor>& k_scale,
-                                  const std::optional<at::Tensor>& v_scale) {
+                                  const std::optional<at::Tensor>& v_scale, bool bf16_dot) {
   TORCH_CHECK_VALUE(q_in.dim() == 3, "paged_attention_decode: q must be [B, H, D], got ", q_in.sizes());
   TORCH_CHECK_VALUE(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
                     "paged_attention_decode: k_cache and v_cache must both be [kvH, slots, D]; got ",
@@ -119,6 +122,8 @@ at::Tensor paged_attention_decode(const at::Tensor& q_in, const at::Tensor& k_ca
                     "; float32 for an int8 cache), got ",
                     q_in.scalar_type());
   check_scales(k_cache, k_scale, v_scale);
+  TORCH_CHECK_VALUE(!bf16_dot || can_dot(dt), "paged_attention_decode: bf16_dot needs a bfloat16 cache and the ",
+                    "kernels' avx512 variant (AVX512_BF16); here a ", dt, " cache");
   const int64_t b = q_in.size(0), h = q_in.size(1), d = q_in.size(2), kvh = k_cache.size(0);
   TORCH_CHECK_VALUE(k_cache.size(2) == d, "paged_attention_decode: head_dim of q (", d, ") and the cache (",
                     k_cache.size(2), ") differ");
@@ -155,9 +160,9 @@ at::Tensor paged_attention_decode(const at::Tensor& q_in, const at::Tensor& k_ca
   else if (dt == at::kChar)
     decode_all<int8_t, float>(q, k_cache, v_cache, tables, lens, block_size, scale, out, *k_scale, *v_scale);
   else if (dt == at::kBFloat16)
-    decode_dispatch_q<c10::BFloat16>(q, k_cache, v_cache, tables, lens, block_size, scale, out);
+    decode_dispatch_q<c10::BFloat16>(q, k_cache, v_cache, tables, lens, block_size, scale, out, bf16_dot);
   else
-    decode_dispatch_q<c10::Half>(q, k_cache, v_cache, tables, lens, block_size, scale, out);
+    decode_dispatch_q<c10::Half>(q, k_cache, v_cache, tables, lens, block_size, scale, out, false);
   return out;
 }
 
@@ -166,7 +171,8 @@ at::Tensor paged_attention_decode(const at::Tensor& q_in, const at::Tensor& k_ca
 TORCH_LIBRARY_FRAGMENT(inferlab, m) {
   m.def(
       "paged_attention_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor context_lens, int block_size, float scale, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
+      "Tensor context_lens, int block_size, float scale, Tensor? k_scale=None, Tensor? v_scale=None, "
+      "bool bf16_dot=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(inferlab, CPU, m) { m.impl("paged_attention_decode", &paged_attention_decode); }

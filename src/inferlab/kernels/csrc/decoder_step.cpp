@@ -23,10 +23,13 @@
 // same order, so the two paths agree to float32 rounding.
 //
 // torch.classes.inferlab.DecoderStep(layer_tensors, final_norm, cos, sin, k_caches, v_caches,
-//                                    [H, kvH, D, block_size(, int8_activations)], eps, attn_scale)
+//                                    [H, kvH, D, block_size(, int8_activations(, bf16_attention))],
+//                                    eps, attn_scale)
 //   int8_activations (default 0): int8 weights multiply x quantized per 64 values by the integer
 //     dot product (w8a8: codes in panels by vpdpbusd on AVX-512, matvec.h's panel_products_i8;
 //     in rows by vpmaddubsw on AVX2, row_products_i8), else float32 products of the codes.
+//   bf16_attention (default 0): attention over bfloat16 caches with q and P rounded to bf16, by
+//     vdpbf16ps (attention.h decode_task_dot; the avx512 variant), else float32 arithmetic.
 //   layer_tensors: 13 per layer, in order: input_norm, qkv_w, qkv_scale, qkv_bias, q_norm, k_norm,
 //     o_w, o_scale, post_norm, gate_up_w, gate_up_scale, down_w, down_scale; an empty tensor
 //     (numel 0) for one the model does not have. Weights: one dtype for all (float32, float16,
@@ -34,7 +37,7 @@
 //     (d, m) pairs [N, K / 32, 2] as the "scale", q4.h's format and integer products; or bf16 in
 //     panels, [N / 16, K / 2, 16, 2] (kernels/linear.py pack_panels, the AVX-512 BF16 variant,
 //     head_dim and the intermediate size multiples of 16), multiplied by vdpbf16ps). Caches:
-//     float32, float16 or int8 [kvH, slots, D]; int8 caches also need .set_kv_scales(k_scales,
+//     float32, float16, bfloat16 or int8 [kvH, slots, D]; int8 caches also need .set_kv_scales(k_scales,
 //     v_scales) (one [kvH, slots] float32 tensor per layer each: models/kv_cache.py's format,
 //     quantized per row on write, rows.h).
 // .forward(x [M, hidden] float32 (the token embeddings; used as the residual stream and
@@ -200,10 +203,12 @@ class DecoderStep : public torch::CustomClassHolder {
               double eps, double attn_scale)
       : final_norm_(final_norm), cos_(cos), sin_(sin), k_caches_(k_caches), v_caches_(v_caches),
         eps_(static_cast<float>(eps)), attn_scale_(static_cast<float>(attn_scale)) {
-    TORCH_CHECK_VALUE(dims.size() == 4 || dims.size() == 5,
-                      "DecoderStep: dims must be [num_heads, num_kv_heads, head_dim, block_size(, int8_activations)]");
+    TORCH_CHECK_VALUE(dims.size() >= 4 && dims.size() <= 6,
+                      "DecoderStep: dims must be [num_heads, num_kv_heads, head_dim, block_size(, int8_activations"
+                      "(, bf16_attention))]");
     heads_ = dims[0], kv_heads_ = dims[1], head_dim_ = dims[2], block_size_ = dims[3];
-    const bool int8_x = dims.size() == 5 && dims[4] != 0;
+    const bool int8_x = dims.size() >= 5 && dims[4] != 0;
+    bf16_dot_ = dims.size() == 6 && dims[5] != 0;
     TORCH_CHECK_VALUE(heads_ >= 1 && kv_heads_ >= 1 && heads_ % kv_heads_ == 0, "DecoderStep: ", heads_,
                       " query heads are not a multiple of ", kv_heads_, " KV heads");
     TORCH_CHECK_VALUE(head_dim_ >= 2 && head_dim_ % kRowsW == 0, "DecoderStep: head_dim ", head_dim_,
@@ -224,6 +229,8 @@ class DecoderStep : public torch::CustomClassHolder {
     const int64_t qkv_rows = (heads_ + 2 * kv_heads_) * head_dim_;
     weight_dtype_ = layer_tensors[1].scalar_type();  // every layer's every linear must match these
     cache_dtype_ = k_caches_[0].scalar_type();
+    TORCH_CHECK_VALUE(!bf16_dot_ || inferlab_attention::can_dot(cache_dtype_), "DecoderStep: bf16_attention needs ",
+                      "bfloat16 caches and the kernels' avx512 variant (AVX512_BF16); here ", cache_dtype_, " caches");
     for (int64_t l = 0; l < num_layers; ++l) {
       const at::Tensor* t = layer_tensors.data() + l * kTensorsPerLayer;
       Layer ly;
@@ -259,10 +266,10 @@ class DecoderStep : public torch::CustomClassHolder {
       const at::Tensor& kc = k_caches_[l];
       const at::Tensor& vc = v_caches_[l];
       TORCH_CHECK_VALUE((kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kHalf ||
-                         kc.scalar_type() == at::kChar) &&
+                         kc.scalar_type() == at::kBFloat16 || kc.scalar_type() == at::kChar) &&
                             vc.scalar_type() == kc.scalar_type() && kc.scalar_type() == cache_dtype_ &&
                             kc.is_contiguous() && vc.is_contiguous() && kc.device().is_cpu() && vc.device().is_cpu(),
-                        "DecoderStep: caches must be contiguous float32, float16 or int8 CPU tensors, all of one dtype");
+                        "DecoderStep: caches must be contiguous float32, float16, bfloat16 or int8 CPU tensors, all of one dtype");
       TORCH_CHECK_VALUE(kc.dim() == 3 && kc.size(0) == kv_heads_ && kc.size(2) == head_dim_ &&
                             vc.sizes() == kc.sizes() && kc.size(1) % block_size_ == 0,
                         "DecoderStep: caches must be [kvH, slots, D] with slots a multiple of block_size");
@@ -539,6 +546,7 @@ class DecoderStep : public torch::CustomClassHolder {
   void run_cache(at::Tensor& x, const at::Tensor& pos, const at::Tensor& slots, const at::Tensor& tables,
                  const at::Tensor& lens, at::Tensor& out) const {
     if (cache_dtype_ == at::kHalf) run<T, at::Half>(x, pos, slots, tables, lens, out);
+    else if (cache_dtype_ == at::kBFloat16) run<T, at::BFloat16>(x, pos, slots, tables, lens, out);
     else if (cache_dtype_ == at::kChar) run<T, int8_t>(x, pos, slots, tables, lens, out);
     else run<T, float>(x, pos, slots, tables, lens, out);
   }
@@ -667,7 +675,7 @@ class DecoderStep : public torch::CustomClassHolder {
                                                      vsc ? vsc + kh * num_slots : nullptr,
                                                      tables + i * max_blocks, lens[i], block_size_, d, g,
                                                      attn_scale_, attn + off, wk.attn,
-                                                     visit.get() + i * vstride);
+                                                     visit.get() + i * vstride, bf16_dot_);
         }
 
         enter(kO);
@@ -707,6 +715,7 @@ class DecoderStep : public torch::CustomClassHolder {
 
   std::vector<Layer> layers_;
   bool profiling_ = false;
+  bool bf16_dot_ = false;  // attention over the bf16 caches by vdpbf16ps (attention.h decode_task_dot)
   mutable std::array<double, kPhases> phase_seconds_{};  // written by run() when profiling_
   at::Tensor final_norm_, cos_, sin_;
   std::vector<at::Tensor> k_caches_, v_caches_;
