@@ -112,11 +112,12 @@ def test_decode_step_writes_the_new_tokens_kv_into_the_cache(models):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_decode_step_with_a_float16_cache(models, monkeypatch, arch):
-    """K/V stored in float16 (what "auto" picks beside float16 weights): the step kernel writes
-    and reads the cache as the per-operator path does."""
-    step = _generate(models[arch], monkeypatch, True, "float16", 5, kv_cache_dtype="float16")
-    ops = _generate(models[arch], monkeypatch, False, "float16", 5, kv_cache_dtype="float16")
+@pytest.mark.parametrize("kv", ["float16", "bfloat16"])
+def test_decode_step_with_a_16bit_cache(models, monkeypatch, arch, kv):
+    """K/V stored in float16 (what "auto" picks beside float16 weights) or bfloat16: the step
+    kernel writes and reads the cache as the per-operator path does (float32 arithmetic here)."""
+    step = _generate(models[arch], monkeypatch, True, "float16", 5, kv_cache_dtype=kv)
+    ops = _generate(models[arch], monkeypatch, False, "float16", 5, kv_cache_dtype=kv)
     assert_same_greedy(step, ops)
 
 
