@@ -233,6 +233,32 @@ def test_kernel_bf16_dot_needs_a_bf16_cache_and_the_instruction():
         decode_attention_kernel(q.float(), kc, vc, tables, ctx, 16, 0.1, bf16_dot=True)
 
 
+LENS_LONG = [1, 511, 512, 513, 1024, 1500, 2049]  # one, two, three and five partitions of 512
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128, 20])
+def test_kernel_long_contexts_in_partitions(dtype, head_dim):
+    """Contexts past 512 positions run as partitions on every thread and are merged: the same
+    attention as one pass, to float32 rounding."""
+    q, kc, vc, tables, ctx = make_case(len(LENS_LONG), 6, 2, head_dim, LENS_LONG, dtype=dtype, seed=head_dim)
+    q = q.float()
+    got = decode_attention_kernel(q, kc, vc, tables, ctx, 16, head_dim**-0.5)
+    torch.testing.assert_close(got, sdpa_reference(q, kc, vc, tables, ctx, 16, head_dim**-0.5), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_kernel_long_context_is_batch_invariant():
+    """A long context's partitions depend on its length alone: alone or in a batch, the same bits."""
+    q, kc, vc, tables, ctx = make_case(5, 6, 2, 64, [700, 1300, 20, 2000, 513], seed=1)
+    full = decode_attention_kernel(q, kc, vc, tables, ctx, 16, 0.1)
+    for i in range(5):
+        n = (int(ctx[i]) + 15) // 16
+        alone = decode_attention_kernel(q[i:i + 1], kc, vc, tables[i:i + 1, :n], ctx[i:i + 1], 16, 0.1)
+        assert torch.equal(full[i:i + 1], alone), i
+
+
 @needs_kernels
 def test_kernel_batch_invariant():
     """A request's output does not depend on what else is in the batch."""

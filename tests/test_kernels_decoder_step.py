@@ -146,6 +146,23 @@ def test_float16_cache_through_plain_torch_matches_the_kernels(models, monkeypat
     assert_same_greedy(kernels, plain, tol=1e-3)
 
 
+def test_long_contexts_attend_in_partitions_on_every_path(tmp_path):
+    """Prompts of 520-1,100 tokens: the decode step's and the paged operator's attention run each
+    context past 512 positions in partitions and merge them; plain torch (SDPA over the gathered
+    context) attends in one pass. The same tokens."""
+    path = make_tiny_hf_model(tmp_path / "long", arch="llama", max_position_embeddings=2048)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 250, (int(n),), generator=g).tolist() for n in (520, 700, 1100, 30)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    outs = {}
+    for name, kw in {"step": {"decoder_backend": "step"}, "fused": {"decoder_backend": "fused"},
+                     "plain": {"decoder_backend": "eager", "attention_backend": "sdpa"}}.items():
+        llm = LLM(str(path), dtype="float32", num_kv_blocks=256, max_model_len=1200, **kw)
+        outs[name] = llm.generate(prompts, params)
+    assert_same_greedy(outs["step"], outs["fused"], top_ids=True)
+    assert_same_greedy(outs["step"], outs["plain"], tol=1e-3)
+
+
 def test_a_model_the_step_cannot_take_falls_back_to_the_operators(tmp_path, monkeypatch, caplog):
     """head_dim 6 (not a multiple of 4): DecoderStep refuses it at construction; the model logs
     why and runs its decode steps per operator, with the same tokens as with the step turned off."""

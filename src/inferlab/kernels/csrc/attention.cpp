@@ -18,6 +18,8 @@
 //                                   as prefill attention's bf16 flavour multiplies; else float32
 //   -> out       [B, H, D]          q's dtype
 //
+// A task is one (sequence, KV head, partition of at most 512 positions): a longer context's
+// partitions run on every thread and are merged after (attention.h Partitions, merge_parts).
 // Per task: pass 1 computes the G = H / kvH rows of scores (8 K rows at a time, one horizontal
 // reduction per 8 dot products) into a small buffer, then softmax in fp32 with a vectorised
 // exp; pass 2 accumulates the probability-weighted V rows, tile by tile so that each V tile is
@@ -61,22 +63,33 @@ void decode_all(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
   Q* op = out.data_ptr<Q>();
   int64_t total = 0;
   for (int64_t i = 0; i < b; ++i) total += lp[i];
+  // Tasks: (sequence, partition) pairs (attention.h kPartition), each for every KV head; a
+  // sequence of several partitions leaves unnormalised results in `parts`, merged after.
+  Partitions parts(b, lp, kvh, g_heads, d);
   // Small work (a few short contexts) is cheaper on one thread than a fork/join.
-  const int64_t grain = total * g_heads * kvh * d < (1 << 15) ? b * kvh : 1;
-  at::parallel_for(0, b * kvh, grain, [&](int64_t begin, int64_t end) {
+  const int64_t tasks = parts.pairs() * kvh;
+  const int64_t grain = total * g_heads * kvh * d < (1 << 15) ? tasks : 1;
+  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     thread_local Scratch s;  // torch's pool threads live on: buffers grow once, then are reused
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / kvh, kh = task % kvh;
+      const int64_t u = task / kvh, kh = task % kvh;
+      const Partitions::Task t = parts.task(u, kh);
+      const int64_t i = t.seq;
       const T* kbase = kp + kh * slots * d;
       const T* vbase = vp + kh * slots * d;
       const Q* qi = qp + (i * h + kh * g_heads) * d;
       Q* oi = op + (i * h + kh * g_heads) * d;
       const float* khs = ksp ? ksp + kh * slots : nullptr;
       const float* vhs = vsp ? vsp + kh * slots : nullptr;
-      decode_heads<T, Q>(qi, kbase, vbase, khs, vhs, tp + i * maxb, lp[i], bs, d, g_heads, static_cast<float>(scale),
-                         oi, s, nullptr, dot);
+      decode_heads<T, Q>(qi, kbase, vbase, khs, vhs, tp + i * maxb, t.start, t.len, bs, d, g_heads,
+                         static_cast<float>(scale), oi, s, nullptr, dot, t.partial ? &t.part : nullptr);
     }
   });
+  if (parts.split())
+    at::parallel_for(0, b * kvh, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task)
+        parts.merge(task / kvh, task % kvh, d, op + (task / kvh * h + task % kvh * g_heads) * d);
+    });
 }
 
 template <typename T>

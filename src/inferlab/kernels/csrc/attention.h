@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -312,21 +313,22 @@ struct Scratch {
   std::vector<float> scores;   // [G][Lp] scores, then probabilities
   std::vector<float> qf;       // [G][D] scaled query, fp32
   std::vector<float> acc;      // [G][D]
-  std::vector<float> inv;      // [G] 1 / softmax denominator
+  std::vector<float> sum, max; // [G] softmax denominator and largest score
   std::vector<float> ksc, vsc; // int8 caches: each visited row's K and V scale, in visiting order
   std::vector<uint16_t> qb, pb; // bf16 caches (decode_task_dot): the query and the probabilities in bf16
 };
 
 // r[t] = exp(r[t] - max) over the len scores of a head, 0 from len to lp (a multiple of 8);
-// returns their sum, the softmax's denominator. The avx512 variant runs 16 lanes (exp16 is
-// exp8's arithmetic lane for lane; only the sum's order differs): 3% off batch 32's attention
-// phase on a Zen 4 (in-process A/B, 10 rounds).
-inline float softmax_row(float* r, int64_t len, int64_t lp) {
+// returns their sum, the softmax's denominator, and the max in *max_out. The avx512 variant runs
+// 16 lanes (exp16 is exp8's arithmetic lane for lane; only the sum's order differs): 3% off batch
+// 32's attention phase on a Zen 4 (in-process A/B, 10 rounds).
+inline float softmax_row(float* r, int64_t len, int64_t lp, float* max_out) {
 #if defined(__AVX512F__)
   auto lanes = [](int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xffff : (1u << n) - 1); };
   __m512 mv = _mm512_set1_ps(-INFINITY);
   for (int64_t t = 0; t < len; t += 16) mv = _mm512_mask_max_ps(mv, lanes(len - t), mv, _mm512_loadu_ps(r + t));
-  const __m512 mb = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+  *max_out = _mm512_reduce_max_ps(mv);
+  const __m512 mb = _mm512_set1_ps(*max_out);
   __m512 sv = _mm512_setzero_ps();
   for (int64_t t = 0; t < lp; t += 16) {
     const __mmask16 in = lanes(lp - t);
@@ -341,6 +343,7 @@ inline float softmax_row(float* r, int64_t len, int64_t lp) {
   for (int64_t t = 0; t < full; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(r + t));
   float m = hmax(mv);
   for (int64_t t = full; t < len; ++t) m = std::max(m, r[t]);
+  *max_out = m;
   const __m256 mb = _mm256_set1_ps(m);
   __m256 sv = _mm256_setzero_ps();
   for (int64_t t = 0; t < lp; t += 8) {
@@ -362,21 +365,137 @@ inline float softmax_row(float* r, int64_t len, int64_t lp) {
 inline int64_t visit_len(int64_t len) { return (len + 7) / 8 * 8; }
 
 // The element offset of each row a (sequence, KV head) task reads, in visiting order, into
-// offs[0 .. visit_len(len)): segment st covers positions [st * seg, (st + 1) * seg), step i
-// visits row i of every segment (kStreams above); scores and probabilities keep this order.
-// `lin`: len entries of scratch. The order depends on the block table and the length only, not
-// on the head or the layer, so a caller running many heads and layers of one step computes it
-// once per sequence (decoder_step.cpp: 4% off batch 32's attention phase on a Zen 4).
-inline void visit_order(const int32_t* table, int64_t len, int64_t bs, int64_t d, int64_t* lin, int64_t* offs) {
-  for (int64_t t = 0, blk = 0; t < len; ++blk) {
+// offs[0 .. visit_len(len)), for the len positions from `start` on (a partition, below):
+// segment st covers positions [st * seg, (st + 1) * seg) of them, step i visits row i of every
+// segment (kStreams above); scores and probabilities keep this order. `lin`: len entries of
+// scratch. The order depends on the block table and the positions only, not on the head or the
+// layer, so a caller running many heads and layers of one step computes it once per sequence and
+// partition (decoder_step.cpp: 4% off batch 32's attention phase on a Zen 4).
+inline void visit_order(const int32_t* table, int64_t start, int64_t len, int64_t bs, int64_t d, int64_t* lin,
+                        int64_t* offs) {
+  for (int64_t t = 0, blk = start / bs, o = start % bs; t < len; ++blk, o = 0) {
     const int64_t base = static_cast<int64_t>(table[blk]) * bs * d;
-    for (int64_t o = 0; o < bs && t < len; ++o, ++t) lin[t] = base + o * d;
+    for (; o < bs && t < len; ++o, ++t) lin[t] = base + o * d;
   }
   const int64_t seg = (len + kStreams - 1) / kStreams;
   int64_t k = 0;
   for (int64_t i = 0; i < seg; ++i)
     for (int64_t p = i; p < len; p += seg) offs[k++] = lin[p];
   for (int64_t t = len; t < visit_len(len); ++t) offs[t] = offs[len - 1];
+}
+
+// A context longer than kPartition positions is attended in partitions of kPartition (the last
+// one shorter), each its own task, and the partitions' results are merged (merge_parts): so one
+// long sequence's heads spread over every thread (3 KV heads on 2 threads left one idle a third
+// of the time). The boundaries depend on the context's length alone, never on the batch, so a
+// sequence's output has the same bits whatever else is in the step (speculative verification's
+// rows and a plain decode row agree). Shorter contexts are one partition: the one-pass result.
+// Measured on a Zen 4 (decode step, in-process A/B against no partitions, 8 rounds): one sequence
+// of 4,000 tokens, the attention phase 4.58 -> 4.35 ms (256-position partitions: 4.47); of 2,000,
+// 2.02 -> 2.10; 16 of 1,000, 13.53 -> 13.77 (6 rounds). Small: on this host one thread's scattered
+// reads of K/V already take most of what two get, so the idle thread cost little.
+constexpr int64_t kPartition = 512;
+inline int64_t num_parts(int64_t len) { return (len + kPartition - 1) / kPartition; }
+
+// Where a partition's unnormalised result goes: acc [G][D] = sum_t e^(s_t - m) v_t, and per head
+// max (the partition's largest score m) and sum (sum_t e^(s_t - m)).
+struct Partial {
+  float* acc;
+  float* max;
+  float* sum;
+};
+
+// One (sequence, KV head)'s output from its `parts` partitions (acc [parts][G][D], max and sum
+// [parts][G]): out[g] = sum_p e^(max_p - M) acc_p / sum_p e^(max_p - M) sum_p, M the largest max_p.
+template <typename Q>
+inline void merge_parts(const float* acc, const float* max, const float* sum, int64_t parts, int64_t g_heads,
+                        int64_t d, Q* out) {
+  std::vector<float> w(parts);
+  for (int64_t g = 0; g < g_heads; ++g) {
+    float m = -INFINITY;
+    for (int64_t p = 0; p < parts; ++p) m = std::max(m, max[p * g_heads + g]);
+    float den = 0.f;
+    for (int64_t p = 0; p < parts; ++p) {
+      w[p] = std::exp(max[p * g_heads + g] - m);
+      den += w[p] * sum[p * g_heads + g];
+    }
+    const float inv = 1.0f / den;
+    for (int64_t i = 0; i < d; ++i) {
+      float a = 0.f;
+      for (int64_t p = 0; p < parts; ++p) a += w[p] * acc[(p * g_heads + g) * d + i];
+      out[g * d + i] = static_cast<Q>(a * inv);
+    }
+  }
+}
+
+// A batch's (sequence, partition) pairs in order (pair u is partition u - first of its sequence),
+// and the buffers for the unnormalised results of sequences of several partitions: the tasks of
+// the paged operator (attention.cpp) and of the decode step's attention phase (decoder_step.cpp).
+class Partitions {
+ public:
+  struct Task {
+    int64_t seq, start, len;  // the positions [start, start + len) of sequence seq
+    bool partial;             // one of several partitions: the result goes to `part`
+    Partial part;
+  };
+  Partitions(int64_t b, const int32_t* lens, int64_t kv_heads, int64_t g_heads, int64_t d)
+      : lens_(lens), first_(b + 1, 0), kvh_(kv_heads), gd_(g_heads * d), g_(g_heads) {
+    for (int64_t i = 0; i < b; ++i) first_[i + 1] = first_[i] + num_parts(lens[i]);
+    seq_.resize(first_[b]);
+    for (int64_t i = 0; i < b; ++i)
+      for (int64_t u = first_[i]; u < first_[i + 1]; ++u) seq_[u] = i;
+    if (split()) {  // a slot per (pair, KV head)
+      acc_.resize(pairs() * kvh_ * gd_);
+      max_.resize(pairs() * kvh_ * g_);
+      sum_.resize(pairs() * kvh_ * g_);
+    }
+  }
+  int64_t pairs() const { return static_cast<int64_t>(seq_.size()); }
+  int64_t parts(int64_t i) const { return first_[i + 1] - first_[i]; }
+  bool split() const { return pairs() > static_cast<int64_t>(first_.size()) - 1; }
+  // Pair u's task for KV head kh.
+  Task task(int64_t u, int64_t kh) const {
+    const int64_t i = seq_[u], p = u - first_[i], n = parts(i);
+    const int64_t start = p * kPartition;
+    Task t{i, start, n == 1 ? lens_[i] : std::min<int64_t>(kPartition, lens_[i] - start), n > 1, {}};
+    if (t.partial) {
+      const int64_t slot = slot0(i, kh) + p;
+      t.part = {acc_.data() + slot * gd_, max_.data() + slot * g_, sum_.data() + slot * g_};
+    }
+    return t;
+  }
+  // Sequence i's output for KV head kh from its partitions (nothing to do for one).
+  template <typename Q>
+  void merge(int64_t i, int64_t kh, int64_t d, Q* out) const {
+    if (parts(i) == 1) return;
+    const int64_t s = slot0(i, kh);
+    merge_parts(acc_.data() + s * gd_, max_.data() + s * g_, sum_.data() + s * g_, parts(i), g_, d, out);
+  }
+
+ private:
+  // Sequence i's partitions for KV head kh are slots slot0 .. slot0 + parts - 1 (merge_parts' layout).
+  int64_t slot0(int64_t i, int64_t kh) const { return first_[i] * kvh_ + kh * parts(i); }
+  const int32_t* lens_;
+  std::vector<int64_t> first_, seq_;
+  int64_t kvh_, gd_, g_;
+  mutable std::vector<float> acc_, max_, sum_;  // written through the tasks' Partial pointers
+};
+
+// A task's end: acc [G][D] over the softmax's sums into out (one partition), or left
+// unnormalised in *part with the sums and maxima (one of several; merge_parts).
+template <typename Q>
+inline void finish_task(const float* acc, const float* sum, const float* max, int64_t g_heads, int64_t d, Q* out,
+                        const Partial* part) {
+  if (part) {
+    std::memcpy(part->acc, acc, sizeof(float) * g_heads * d);
+    std::memcpy(part->sum, sum, sizeof(float) * g_heads);
+    std::memcpy(part->max, max, sizeof(float) * g_heads);
+    return;
+  }
+  for (int64_t g = 0; g < g_heads; ++g) {
+    const float inv = 1.0f / sum[g];
+    for (int64_t i = 0; i < d; ++i) out[g * d + i] = static_cast<Q>(acc[g * d + i] * inv);
+  }
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -461,8 +580,9 @@ inline void accumulate_group_dot(float* acc, const uint32_t* pp, int64_t pstride
 // One (sequence, KV head) over a bf16 cache at head_dim DC (a multiple of 32): decode_task's
 // contract (below), its passes by vdpbf16ps.
 template <typename Q, int DC>
-void decode_task_dot(const Q* q, const at::BFloat16* kc, const at::BFloat16* vc, const int32_t* table, int64_t len,
-                     int64_t bs, int64_t g_heads, float scale, Q* out, Scratch& s, const int64_t* visit) {
+void decode_task_dot(const Q* q, const at::BFloat16* kc, const at::BFloat16* vc, const int32_t* table, int64_t start,
+                     int64_t len, int64_t bs, int64_t g_heads, float scale, Q* out, Scratch& s, const int64_t* visit,
+                     const Partial* part) {
   const int64_t lp = visit_len(len);
   const int64_t ps = (len + 15) / 16 * 16;  // a head's probabilities: softmax_row_bf16 writes whole 16s
   s.scores.resize(g_heads * lp);
@@ -473,7 +593,7 @@ void decode_task_dot(const Q* q, const at::BFloat16* kc, const at::BFloat16* vc,
   if (!visit) {
     s.offs.resize(lp);
     s.lin.resize(len);
-    visit_order(table, len, bs, DC, s.lin.data(), s.offs.data());
+    visit_order(table, start, len, bs, DC, s.lin.data(), s.offs.data());
     visit = s.offs.data();
   }
   for (int64_t i = 0; i < g_heads * DC; ++i) s.qf[i] = to_float(q[i]) * scale;  // scaled, then rounded
@@ -489,7 +609,8 @@ void decode_task_dot(const Q* q, const at::BFloat16* kc, const at::BFloat16* vc,
     else scores_group_dot<1, DC>(qg, kc, visit, lp, sc + g0 * lp, vpf);
   }
 
-  s.inv.resize(g_heads);
+  s.sum.resize(g_heads);
+  s.max.resize(g_heads);
   for (int64_t g = 0; g < g_heads; ++g) {
     const float* r = sc + g * lp;
     __m512 mv = _mm512_set1_ps(-INFINITY);
@@ -497,7 +618,8 @@ void decode_task_dot(const Q* q, const at::BFloat16* kc, const at::BFloat16* vc,
       const __mmask16 live = len - t >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (len - t)) - 1);
       mv = _mm512_mask_max_ps(mv, live, mv, _mm512_maskz_loadu_ps(live, r + t));
     }
-    s.inv[g] = 1.0f / inferlab_bf16::softmax_row_bf16(r, s.pb.data() + g * ps, len, ps, _mm512_reduce_max_ps(mv));
+    s.max[g] = _mm512_reduce_max_ps(mv);
+    s.sum[g] = inferlab_bf16::softmax_row_bf16(r, s.pb.data() + g * ps, len, ps, s.max[g]);
   }
 
   const uint32_t* pp = reinterpret_cast<const uint32_t*>(s.pb.data());
@@ -509,8 +631,7 @@ void decode_task_dot(const Q* q, const at::BFloat16* kc, const at::BFloat16* vc,
     else if (n == 2) accumulate_group_dot<2, DC>(a, pg, ps / 2, vc, visit, len);
     else accumulate_group_dot<1, DC>(a, pg, ps / 2, vc, visit, len);
   }
-  for (int64_t g = 0; g < g_heads; ++g)
-    for (int64_t i = 0; i < DC; ++i) out[g * DC + i] = static_cast<Q>(s.acc[g * DC + i] * s.inv[g]);
+  finish_task(s.acc.data(), s.sum.data(), s.max.data(), g_heads, DC, out, part);
 }
 #endif
 
@@ -519,11 +640,13 @@ void decode_task_dot(const Q* q, const at::BFloat16* kc, const at::BFloat16* vc,
 // a row is dequantized in registers by folding its scale into the dot product (score =
 // k_scale * (q . codes)) and into the probability that weights it (p * v_scale), so the inner
 // loops are the float ones on widened codes. Other T: ks / vs are unused (null).
-// `visit`: the sequence's visit_order, or null to compute it here.
+// The task covers the len positions from `start` on: the whole context, or one partition of it
+// whose unnormalised result goes to *part (null: the whole context, normalised into out).
+// `visit`: those positions' visit_order, or null to compute it here.
 template <typename T, typename Q, int DC>
 void decode_task(const Q* q, const T* kc, const T* vc, const float* ks, const float* vs, const int32_t* table,
-                 int64_t len, int64_t bs, int64_t d, int64_t g_heads, float scale, Q* out, Scratch& s,
-                 const int64_t* visit) {
+                 int64_t start, int64_t len, int64_t bs, int64_t d, int64_t g_heads, float scale, Q* out, Scratch& s,
+                 const int64_t* visit, const Partial* part) {
   constexpr bool kQuant = std::is_same_v<T, int8_t>;
   const int64_t lp = visit_len(len);
   s.scores.resize(g_heads * lp);
@@ -532,7 +655,7 @@ void decode_task(const Q* q, const T* kc, const T* vc, const float* ks, const fl
   if (!visit) {
     s.offs.resize(lp);
     s.lin.resize(len);
-    visit_order(table, len, bs, d, s.lin.data(), s.offs.data());
+    visit_order(table, start, len, bs, d, s.lin.data(), s.offs.data());
     visit = s.offs.data();
   }
   const int64_t* offs = visit;
@@ -571,11 +694,11 @@ void decode_task(const Q* q, const T* kc, const T* vc, const float* ks, const fl
   }
 
   // Softmax per head over the len valid scores (the padding lanes are zeroed).
-  s.inv.resize(g_heads);
-  float* inv = s.inv.data();
+  s.sum.resize(g_heads);
+  s.max.resize(g_heads);
   for (int64_t g = 0; g < g_heads; ++g) {
     float* r = sc + g * lp;
-    inv[g] = 1.0f / softmax_row(r, len, lp);
+    s.sum[g] = softmax_row(r, len, lp, &s.max[g]);
     if constexpr (kQuant)  // each probability carries its V row's scale into pass 2 (padding lanes stay 0)
       for (int64_t t = 0; t < lp; t += 8)
         _mm256_storeu_ps(r + t, _mm256_mul_ps(_mm256_loadu_ps(r + t), _mm256_loadu_ps(s.vsc.data() + t)));
@@ -593,30 +716,32 @@ void decode_task(const Q* q, const T* kc, const T* vc, const float* ks, const fl
     for (int64_t g = 0; g < g_heads; ++g)
       accumulate_rows<T, DC>(s.acc.data() + g * d, sc + g * lp + t0, vrows, n, static_cast<int>(d));
   }
-  for (int64_t g = 0; g < g_heads; ++g)
-    for (int64_t i = 0; i < d; ++i) out[g * d + i] = static_cast<Q>(s.acc[g * d + i] * inv[g]);
+  finish_task(s.acc.data(), s.sum.data(), s.max.data(), g_heads, d, out, part);
 }
 
 // decode_task with head_dim 64 and 128 unrolled at compile time; any other head_dim works.
-// ks / vs: an int8 cache's scales for this head (see decode_task), else null; visit: see decode_task.
-// dot: a bfloat16 cache multiplied by vdpbf16ps (decode_task_dot) at head_dim 64 / 128, where the
-// variant has AVX512_BF16 (the caller checks: can_dot); else, and at other head dims, float32.
+// ks / vs: an int8 cache's scales for this head (see decode_task), else null; start, len, visit
+// and part: see decode_task. dot: a bfloat16 cache multiplied by vdpbf16ps (decode_task_dot) at
+// head_dim 64 / 128, where the variant has AVX512_BF16 (the caller checks: can_dot); else, and at
+// other head dims, float32.
 template <typename T, typename Q>
 inline void decode_heads(const Q* q, const T* kc, const T* vc, const float* ks, const float* vs, const int32_t* table,
-                         int64_t len, int64_t bs, int64_t d, int64_t g_heads, float scale, Q* out, Scratch& s,
-                         const int64_t* visit = nullptr, bool dot = false) {
+                         int64_t start, int64_t len, int64_t bs, int64_t d, int64_t g_heads, float scale, Q* out,
+                         Scratch& s, const int64_t* visit = nullptr, bool dot = false, const Partial* part = nullptr) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (dot && d == 64) return decode_task_dot<Q, 64>(q, kc, vc, table, len, bs, g_heads, scale, out, s, visit);
-    if (dot && d == 128) return decode_task_dot<Q, 128>(q, kc, vc, table, len, bs, g_heads, scale, out, s, visit);
+    if (dot && d == 64)
+      return decode_task_dot<Q, 64>(q, kc, vc, table, start, len, bs, g_heads, scale, out, s, visit, part);
+    if (dot && d == 128)
+      return decode_task_dot<Q, 128>(q, kc, vc, table, start, len, bs, g_heads, scale, out, s, visit, part);
   }
 #endif
   if (d == 64)
-    decode_task<T, Q, 64>(q, kc, vc, ks, vs, table, len, bs, d, g_heads, scale, out, s, visit);
+    decode_task<T, Q, 64>(q, kc, vc, ks, vs, table, start, len, bs, d, g_heads, scale, out, s, visit, part);
   else if (d == 128)
-    decode_task<T, Q, 128>(q, kc, vc, ks, vs, table, len, bs, d, g_heads, scale, out, s, visit);
+    decode_task<T, Q, 128>(q, kc, vc, ks, vs, table, start, len, bs, d, g_heads, scale, out, s, visit, part);
   else
-    decode_task<T, Q, 0>(q, kc, vc, ks, vs, table, len, bs, d, g_heads, scale, out, s, visit);
+    decode_task<T, Q, 0>(q, kc, vc, ks, vs, table, start, len, bs, d, g_heads, scale, out, s, visit, part);
 }
 
 // Whether decode_heads can multiply a `cache` dtype cache in bf16 (`dot`): a bfloat16 cache, on

@@ -13,7 +13,8 @@
 //   qkv         one task per run of whole heads: their D rows each of the qkv product, then bias,
 //               (Qwen3's q/k norm,) RoPE, and K and V written into the paged cache by the thread
 //               that made them
-//   attention   one task per (sequence, KV head), the paged decode kernel of attention.h
+//   attention   one task per (sequence, partition of 512 positions, KV head), the paged decode
+//               kernel of attention.h; a context of several partitions merged after
 //   o           x += attn @ Wo^T: each task owns a range of columns of x, so the residual add is in place
 //   norm        h = rms_norm(x) * w
 //   gate/up     each task: the same range of columns of gate and up, then silu(gate) * up
@@ -588,12 +589,14 @@ class DecoderStep : public torch::CustomClassHolder {
     // qkv phase at 32 rows: 5.32 ms with one head per task, 4.66 so (Zen 4, 8 alternated rounds).
     const int64_t qkv_heads = h + 2 * kvh;
     const int64_t qkv_hpt = (qkv_heads + kTasksPerThread * nt - 1) / (kTasksPerThread * nt);  // heads per task
-    // Each sequence's attention visiting order (attention.h visit_order): the same for every
-    // layer and KV head, so computed once a step rather than in each of their tasks.
+    // Attention's tasks: (sequence, partition) pairs for every KV head (attention.h Partitions),
+    // and each pair's visiting order (visit_order): the same for every layer and KV head, so
+    // computed once a step rather than in each of their tasks.
+    inferlab_attention::Partitions parts(m, lens, kvh, g, d);
     int64_t max_len = 1;
     for (int64_t i = 0; i < m; ++i) max_len = std::max<int64_t>(max_len, lens[i]);
-    const int64_t vstride = inferlab_attention::visit_len(max_len);
-    const std::unique_ptr<int64_t[]> visit(new int64_t[m * vstride]);
+    const int64_t vstride = inferlab_attention::visit_len(std::min(max_len, inferlab_attention::kPartition));
+    const std::unique_ptr<int64_t[]> visit(new int64_t[parts.pairs() * vstride]);
     constexpr int64_t kShared = 4;  // product phases a layer: qkv, o, gate/up, down
     const std::unique_ptr<Run[]> shares(new Run[layers_.size() * kShared * nt]);
     for (size_t l = 0; l < layers_.size(); ++l) {
@@ -617,10 +620,11 @@ class DecoderStep : public torch::CustomClassHolder {
       const int64_t tid = omp_get_thread_num();
 
 #pragma omp for schedule(static)
-      for (int64_t i = 0; i < m; ++i) {
-        wk.attn.lin.resize(std::max<size_t>(wk.attn.lin.size(), lens[i]));
-        inferlab_attention::visit_order(tables + i * max_blocks, lens[i], block_size_, d, wk.attn.lin.data(),
-                                        visit.get() + i * vstride);
+      for (int64_t u = 0; u < parts.pairs(); ++u) {
+        const inferlab_attention::Partitions::Task t = parts.task(u, 0);
+        wk.attn.lin.resize(std::max<size_t>(wk.attn.lin.size(), t.len));
+        inferlab_attention::visit_order(tables + t.seq * max_blocks, t.start, t.len, block_size_, d,
+                                        wk.attn.lin.data(), visit.get() + u * vstride);
       }
 
       PhaseClock clock(profiling_ && omp_get_thread_num() == 0 ? phase_seconds_.data() : nullptr);
@@ -667,15 +671,21 @@ class DecoderStep : public torch::CustomClassHolder {
 
         clock.mark(kAttention);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < m * kvh; ++task) {
-          const int64_t i = task / kvh, kh = task % kvh;
-          const int64_t off = (i * h + kh * g) * d;
+        for (int64_t task = 0; task < parts.pairs() * kvh; ++task) {
+          const int64_t u = task / kvh, kh = task % kvh;
+          const inferlab_attention::Partitions::Task t = parts.task(u, kh);
+          const int64_t off = (t.seq * h + kh * g) * d;
           inferlab_attention::decode_heads<C, float>(q + off, kc + kh * num_slots * d, vc + kh * num_slots * d,
                                                      ksc ? ksc + kh * num_slots : nullptr,
                                                      vsc ? vsc + kh * num_slots : nullptr,
-                                                     tables + i * max_blocks, lens[i], block_size_, d, g,
-                                                     attn_scale_, attn + off, wk.attn,
-                                                     visit.get() + i * vstride, bf16_dot_);
+                                                     tables + t.seq * max_blocks, t.start, t.len, block_size_, d,
+                                                     g, attn_scale_, attn + off, wk.attn, visit.get() + u * vstride,
+                                                     bf16_dot_, t.partial ? &t.part : nullptr);
+        }
+        if (parts.split()) {  // a long context's partitions, merged (the loop above ended in a barrier)
+#pragma omp for schedule(static)
+          for (int64_t task = 0; task < m * kvh; ++task)
+            parts.merge(task / kvh, task % kvh, d, attn + (task / kvh * h + task % kvh * g) * d);
         }
 
         enter(kO);
