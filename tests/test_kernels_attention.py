@@ -55,8 +55,10 @@ def sdpa_reference(q, k_cache, v_cache, tables, lens, block_size, scale):
     return decode_attention_sdpa(q.float(), k_cache.float(), v_cache.float(), slots, mask, scale)
 
 
-def naive_reference(q, k_cache, v_cache, tables, lens, block_size, scale):
-    """One sequence, one head at a time, straight from the definition."""
+def naive_reference(q, k_cache, v_cache, tables, lens, block_size, scale, bf16=False):
+    """One sequence, one head at a time, straight from the definition. `bf16`: with bf16
+    products: the scaled query and the probabilities rounded to bf16 (K and V are bf16 already),
+    everything else float64, the probabilities normalised by their rounded sum."""
     b, h, d = q.shape
     group = h // k_cache.shape[0]
     out = torch.empty(b, h, d, dtype=torch.float64)
@@ -66,7 +68,12 @@ def naive_reference(q, k_cache, v_cache, tables, lens, block_size, scale):
         for j in range(h):
             k = k_cache[j // group, slots].double()
             v = v_cache[j // group, slots].double()
-            p = torch.softmax(k @ q[i, j].double() * scale, 0)
+            if bf16:
+                s = k @ (q[i, j].float() * scale).bfloat16().double()
+                p = torch.exp(s - s.max()).bfloat16().double()
+                p = p / p.sum()
+            else:
+                p = torch.softmax(k @ q[i, j].double() * scale, 0)
             out[i, j] = p @ v
     return out
 
@@ -183,21 +190,8 @@ needs_bf16_dot = pytest.mark.skipif(
 
 
 def bf16_reference(q, k_cache, v_cache, tables, lens, block_size, scale):
-    """decode attention with bf16 products, from the definition: the scaled query and the
-    probabilities rounded to bf16 (K and V are bf16 already), everything else float64, the
-    probabilities normalised by their rounded sum."""
-    b, h, d = q.shape
-    group = h // k_cache.shape[0]
-    out = torch.empty(b, h, d, dtype=torch.float64)
-    for i in range(b):
-        n = int(lens[i])
-        slots = torch.tensor([int(tables[i, p // block_size]) * block_size + p % block_size for p in range(n)])
-        for j in range(h):
-            k, v = k_cache[j // group, slots].double(), v_cache[j // group, slots].double()
-            s = k @ (q[i, j].float() * scale).bfloat16().double()
-            p = torch.exp(s - s.max()).bfloat16().double()
-            out[i, j] = p @ v / p.sum()
-    return out
+    """decode attention with bf16 products, from the definition (naive_reference's bf16 flavour)."""
+    return naive_reference(q, k_cache, v_cache, tables, lens, block_size, scale, bf16=True)
 
 
 @needs_kernels

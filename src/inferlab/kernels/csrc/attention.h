@@ -130,6 +130,17 @@ inline void prefetch_row(const T* p, int64_t d) {
   for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(c + b, _MM_HINT_T1);
 }
 
+// Pass 1's prefetch at the visiting order's position t0: the 8 K rows 16 positions ahead, and the
+// V rows at the same offsets where vpf is given (pass 2 reads them in the same order).
+template <typename T>
+inline void prefetch_keys(const T* kc, const T* vpf, const int64_t* offs, int64_t t0, int64_t lp, int64_t d) {
+  if (t0 + 16 >= lp) return;
+  for (int j = 0; j < 8; ++j) {
+    prefetch_row(kc + offs[t0 + 16 + j], d);
+    if (vpf) prefetch_row(vpf + offs[t0 + 16 + j], d);
+  }
+}
+
 // Grouped passes for every cache dtype at head_dim 64 / 128 (kGrouped): dot8 and
 // accumulate_rows take one query head at a time, so every K and V row is widened again for each
 // head that reads it; these widen a row once for GB <= 3 heads and keep all of their sums in
@@ -174,11 +185,7 @@ template <typename T, int GB, int DC>
 inline void scores_group(const float* qf, const T* kc, const int64_t* offs, int64_t lp, float* sc, const T* vpf,
                          const float* ksc) {
   for (int64_t t0 = 0; t0 < lp; t0 += 8) {
-    if (t0 + 16 < lp)
-      for (int j = 0; j < 8; ++j) {
-        prefetch_row(kc + offs[t0 + 16 + j], DC);
-        if (vpf) prefetch_row(vpf + offs[t0 + 16 + j], DC);
-      }
+    prefetch_keys(kc, vpf, offs, t0, lp, DC);
     __m512 acc[GB][8];
     for (int g = 0; g < GB; ++g)
       for (int j = 0; j < 8; ++j) acc[g][j] = _mm512_setzero_ps();
@@ -232,11 +239,7 @@ template <typename T, int GB, int DC>
 inline void scores_group(const float* qf, const T* kc, const int64_t* offs, int64_t lp, float* sc, const T* vpf,
                          const float* ksc) {
   for (int64_t t0 = 0; t0 < lp; t0 += 4) {
-    if (t0 % 8 == 0 && t0 + 16 < lp)
-      for (int j = 0; j < 8; ++j) {
-        prefetch_row(kc + offs[t0 + 16 + j], DC);
-        if (vpf) prefetch_row(vpf + offs[t0 + 16 + j], DC);
-      }
+    if (t0 % 8 == 0) prefetch_keys(kc, vpf, offs, t0, lp, DC);
     __m256 acc[GB][4];
     for (int g = 0; g < GB; ++g)
       for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();
@@ -518,11 +521,7 @@ template <int GB, int DC>
 inline void scores_group_dot(const uint16_t* qb, const at::BFloat16* kc, const int64_t* offs, int64_t lp, float* sc,
                              const at::BFloat16* vpf) {
   for (int64_t t0 = 0; t0 < lp; t0 += 8) {
-    if (t0 + 16 < lp)
-      for (int j = 0; j < 8; ++j) {
-        prefetch_row(kc + offs[t0 + 16 + j], DC);
-        if (vpf) prefetch_row(vpf + offs[t0 + 16 + j], DC);
-      }
+    prefetch_keys(kc, vpf, offs, t0, lp, DC);
     __m512 acc[GB][8];
     for (int g = 0; g < GB; ++g)
       for (int j = 0; j < 8; ++j) acc[g][j] = _mm512_setzero_ps();
