@@ -413,7 +413,9 @@ struct Partial {
 template <typename Q>
 inline void merge_parts(const float* acc, const float* max, const float* sum, int64_t parts, int64_t g_heads,
                         int64_t d, Q* out) {
-  std::vector<float> w(parts);
+  float stack[64];  // a context of up to 32K positions; longer ones on the heap
+  std::vector<float> heap(parts > 64 ? parts : 0);
+  float* w = parts > 64 ? heap.data() : stack;
   for (int64_t g = 0; g < g_heads; ++g) {
     float m = -INFINITY;
     for (int64_t p = 0; p < parts; ++p) m = std::max(m, max[p * g_heads + g]);
