@@ -5,6 +5,7 @@ the engine; a rank that dies fails the engine with its name instead of hanging i
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -17,9 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from inferlab.config import LoadConfig
 from inferlab.engine.request import SamplingParams
-from inferlab.engine.tp_worker import TensorParallelError
+from inferlab.engine.tp_worker import TensorParallelError, precision_mismatch
 from inferlab.entrypoints.llm import LLM
+from inferlab.kernels import build
+from inferlab.models.precision import resolve_precision
 from inferlab.models.testing import TINY_ARCHS, make_tiny_hf_model, save_tiny_tokenizer, tiny_model_config
 from inferlab.models.tp import Span, plan_shards
 
@@ -220,3 +224,17 @@ def test_a_rank_that_dies_fails_the_engine_loudly_naming_it(llama):
         killer.join()
     finally:
         llm.shutdown()
+
+
+def test_a_rank_with_other_kernels_says_which_field_differs():
+    """Two ranks whose kernels were compiled from other sources resolve precisions that describe()
+    alike: the refusal names the differing field and what to do."""
+    p = resolve_precision(LoadConfig(), kernel=build.KernelInfo("avx512", (), build_dir="/cache/kernels/aaaa"))
+    other = dataclasses.replace(p, kernel=dataclasses.replace(p.kernel, build_dir="/cache/kernels/bbbb"))
+    assert p.describe() == other.describe()
+    msg = precision_mismatch(other, p)
+    assert "kernel.build_dir '/cache/kernels/bbbb' against '/cache/kernels/aaaa'" in msg
+    assert "other sources" in msg and "one install" in msg
+    dtypes = dataclasses.replace(p, kv_cache=torch.bfloat16, weights=torch.float16)
+    assert precision_mismatch(dtypes, p).count(" against ") == 2 and "other sources" not in precision_mismatch(dtypes, p)
+

@@ -349,6 +349,25 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="inferlab-tp-parent-watch", daemon=True).start()
 
 
+def precision_mismatch(mine: Any, rank0: Any) -> str:
+    """Why a rank refuses rank 0's precision (models/precision.py ResolvedPrecision): the fields
+    that differ, the kernel's one by one, since two ranks whose kernels were compiled from other
+    sources (the package changed between their starts) describe() alike."""
+    diffs = []
+    for f in dataclasses.fields(mine):
+        a, b = getattr(mine, f.name), getattr(rank0, f.name)
+        if f.name == "reasons" or a == b:
+            continue
+        if dataclasses.is_dataclass(a) and type(a) is type(b):
+            diffs += [f"{f.name}.{g.name} {getattr(a, g.name)!r} against {getattr(b, g.name)!r}"
+                      for g in dataclasses.fields(a) if getattr(a, g.name) != getattr(b, g.name)]
+        else:
+            diffs.append(f"{f.name} {a!r} against {b!r}")
+    hint = ("; the kernels were built from other sources than rank 0's (a changed or reinstalled package): "
+            "start every rank from one install" if any(d.startswith("kernel.build_dir") for d in diffs) else "")
+    return f"this rank resolved another precision than rank 0: {', '.join(diffs)}{hint}"
+
+
 def run_rank(spec: RankSpec, rank: int, conn: Any) -> None:
     """Rank `rank`'s process: load, report, join, then serve rank 0's commands until "stop"."""
     _exit_with_parent()
@@ -365,8 +384,7 @@ def run_rank(spec: RankSpec, rank: int, conn: Any) -> None:
             device = torch.device("cuda", rank)
         precision = resolve_precision(spec.load, spec.cache)
         if dataclasses.replace(precision, reasons=()) != dataclasses.replace(spec.precision, reasons=()):
-            raise RuntimeError(f"this rank resolved another precision ({precision.describe()}) than rank 0 "
-                               f"({spec.precision.describe()})")
+            raise RuntimeError(precision_mismatch(precision, spec.precision))
         loaded = load_model(spec.load, spec.model_path, precision=precision)
         shard = plan_shards(loaded.config, spec.world)[rank]
         comm = TorchCollectives(rank, spec.world, device)
