@@ -349,10 +349,10 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="inferlab-tp-parent-watch", daemon=True).start()
 
 
-def precision_mismatch(mine: Any, rank0: Any) -> str:
-    """Why a rank refuses rank 0's precision (models/precision.py ResolvedPrecision): the fields
-    that differ, the kernel's one by one, since two ranks whose kernels were compiled from other
-    sources (the package changed between their starts) describe() alike."""
+def precision_mismatch(mine: ResolvedPrecision, rank0: ResolvedPrecision) -> str:
+    """Why a rank refuses rank 0's precision: the fields that differ, the kernel's one by one,
+    since two ranks whose kernels were compiled from other sources (the package changed between
+    their starts) describe() alike."""
     diffs = []
     for f in dataclasses.fields(mine):
         a, b = getattr(mine, f.name), getattr(rank0, f.name)
