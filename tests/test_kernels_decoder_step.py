@@ -125,9 +125,9 @@ def test_decode_step_with_a_16bit_cache(models, monkeypatch, arch, kv):
                     reason=f"bf16 attention needs the kernels' avx512 variant (AVX512_BF16); this process has "
                            f"{build.kernel_info().variant}")
 def test_decode_step_with_a_bfloat16_cache_attends_in_bf16_as_the_operators_do(tmp_path, monkeypatch):
-    """bf16 weights and a bfloat16 cache (the avx512 variant's "auto"): the step's attention and
-    the paged kernel's both multiply by vdpbf16ps (head_dim 64, a group of 2 heads), so the two
-    paths give the same tokens; the precision says so once for both."""
+    """bf16 weights and a bfloat16 cache (`--kv-cache-dtype bfloat16`; "auto" keeps float16): the
+    step's attention and the paged kernel's both multiply by vdpbf16ps (head_dim 64, a group of 2
+    heads), so the two paths give the same tokens; the precision says so once for both."""
     path = make_tiny_hf_model(tmp_path / "d64", arch="llama", hidden_size=128, head_dim=64, num_attention_heads=4,
                               num_key_value_heads=2)
     step = _generate(path, monkeypatch, True, "bfloat16", 6, kv_cache_dtype="bfloat16")
