@@ -577,8 +577,10 @@ class DecoderStep : public torch::CustomClassHolder {
     const float* sin = sin_.data_ptr<float>();
     const int64_t nt = at::get_num_threads();
     // The product phases' units (take_units above): columns of o, gate/up and down, 16 at one
-    // row (matvec.h panel_rows_bf16 streams panel by panel) and else 48 (a column tile of 3 panels:
-    // a run is cut only between tiles); heads of qkv. A task is at most the width it always was.
+    // row and else 48 (a column tile of 3 panels: a run is cut only between tiles; at 2-8 rows,
+    // streamed panel by panel as at one row (matvec.h panel_rows_bf16), 16 measured no better:
+    // 4 / 5 / 8 rows 12.32 / 10.36 / 14.30 ms against 11.56 / 10.63 / 15.09, 10 rounds); heads
+    // of qkv. A task is at most the width it always was.
     const bool split = m <= kPanelRowsX;  // one row tile: per-thread runs (take_units)
     const int64_t unit = m == 1 ? kColAlign : 3 * kColAlign;
     const int64_t hidden_units = (hidden_ + unit - 1) / unit, inter_units = (inter + unit - 1) / unit;

@@ -253,23 +253,16 @@ inline __m256 fold512(__m512 a) {  // 16 lanes -> 8, the sums of the two halves
 enum PanelPrefetch : int {
   kPrefetchNone = 0,   // the panels are in cache (another row tile read or fetched them)
   kPrefetchAhead = 1,  // from memory: each stream prefetched `ahead` bytes further, into L1
-  kPrefetchFar = 2,    // that, and 4 x `ahead` further into L2 (see below)
 };
 
 // The next 64 bytes of each of NB panels (panel j's at wp + j * ps + at, in bytes), each stream
-// prefetched as `stream` says: a panel tile's weight loads. kPrefetchFar, for a tile that is its
-// product's only row tile (4-8 rows of x): no NextTile fetch runs beside it, and its 3 interleaved
-// streams with the L1 prefetch alone read the lm_head at 5 rows at ~23 GB/s where one row's linear
-// stream reads ~45. The decode step at 4 / 5 / 8 rows on a Zen 4, in-process A/B rounds
-// alternated: 14.32 -> 12.88, 13.18 -> 12.61, 17.83 -> 15.38 ms (10-14 rounds; speculative
-// verification at K = 4 is 5 rows). At 32 rows (tiles fetched ahead) it measured slower.
+// prefetched as `stream` says: a panel tile's weight loads.
 template <int NB>
 inline void load_panels(const void* wp, int64_t ps, int64_t at, PanelPrefetch stream, int64_t ahead, __m512i* out) {
 #pragma GCC unroll 4
   for (int j = 0; j < NB; ++j) {
     const char* src = static_cast<const char*>(wp) + j * ps + at;
     if (stream != kPrefetchNone) _mm_prefetch(src + ahead, _MM_HINT_T0);
-    if (stream == kPrefetchFar) _mm_prefetch(src + 4 * ahead, _MM_HINT_T1);
     out[j] = _mm512_loadu_si512(src);
   }
 }
@@ -471,9 +464,19 @@ inline void panel_tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, 
 // step on that Zen 4, alternated rounds in one process against the 3-panel tiles: 1 row 13.2 ->
 // 10.6 ms (20 rounds; 10.1 with decoder_step.cpp's per-thread runs too), 2 rows 13.2 -> 11.3, 3
 // rows 12.4 -> 11.5, 4 rows 14.6 -> 14.3, 5 rows 16.4 -> 17.0, 8 rows 16.7 -> 20.0 (10 rounds
-// each; these with the sums split over k): hence up to kPanelStreamRows rows, where the
-// broadcasts of x, one per row and 64 bytes of weights, do not yet bind.
-constexpr int kPanelStreamRows = 3;
+// each; these with the sums split over k). The rows past 3 lost because nothing ran ahead of
+// their slower loop (a step per 64 bytes of weights takes one broadcast and one vdpbf16ps per
+// row): from kRowsPrefetchFrom rows on, the stream is prefetched kRowsAhead bytes ahead into L1,
+// and so every one-tile product (up to kPanelStreamRows = 8 rows: a decode step of a few streams,
+// speculative verification at K = 4 is 5) streams its panels one after the other. The decode
+// step on a Zen 4, in-process A/B rounds alternated against the 3-panel tile (with its L2
+// prefetch): 3 rows 12.88 -> 12.07 ms (the prefetch alone, 12 rounds), 4 rows 13.17 -> 11.33,
+// 5 rows 14.01 -> 12.93, 8 rows 16.11 -> 15.09 (10 rounds each); 2048 bytes ahead was within
+// 2% of 3072, 4096 and 6144 behind them; at one and two rows no gain (10.29 against 11.15 ms at
+// one row, 12 rounds, in a slow spell; 10.21 / 10.30 at two), so those keep the hardware's.
+constexpr int kPanelStreamRows = kPanelRowsX;
+constexpr int kRowsPrefetchFrom = 3;
+constexpr int64_t kRowsAhead = 3072;
 template <int MB, typename Y>
 inline void panel_rows_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t kp, int64_t np, int last,
                             const float* scale, const float* bias, Y* y, int64_t ldy) {
@@ -484,6 +487,8 @@ inline void panel_rows_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, 
 #pragma GCC unroll 8
     for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t p = 0; p < steps; ++p) {
+      if constexpr (MB >= kRowsPrefetchFrom)
+        _mm_prefetch(reinterpret_cast<const char*>(w + p * 2 * kPanel) + kRowsAhead, _MM_HINT_T0);
       const __m512i v = _mm512_loadu_si512(w + p * 2 * kPanel);
       const __m512bh wv = reinterpret_cast<const __m512bh&>(v);
 #pragma GCC unroll 8
@@ -506,8 +511,9 @@ inline void panel_rows_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, 
 // row_products' contract for bf16 weights in panels (kernels/linear.py pack_panels of an [N, K]
 // matrix) and x already in bf16 (M rows of stride ldx >= Kp, zero past K):
 // y[i * ldy + r] = (x row i) . (w row r0 + r) * scale[r0 + r] + bias[r0 + r] for r in [0, rows),
-// r0 a multiple of 16 and r0 + rows <= N; y float32 or bf16. Column tiles of 3 panels, each
-// streamed from memory by its first tile of 8 x-rows; the others re-read it from cache. `cold`:
+// r0 a multiple of 16 and r0 + rows <= N; y float32 or bf16. Up to kPanelStreamRows rows, the
+// panels one after the other (panel_rows_bf16); more, column tiles of 3 panels, each streamed
+// from memory by its first tile of 8 x-rows; the others re-read it from cache. `cold`:
 // the panels come from memory (a decode step's weights), so with more than one row tile, each
 // column tile after the first is fetched while the row tiles of the one before run (NextTile);
 // else (a prefill's later row blocks, whose panels are in L3) the fetches only cost: measured
@@ -553,9 +559,7 @@ inline void panel_products_bf16(const uint16_t* xb, int64_t ldx, int64_t M, int6
     const float* sc = scale ? scale + r0 + c : nullptr;
     const float* bs = bias ? bias + r0 + c : nullptr;
     // Row tile m / mb's prefetch (load_panels `stream`) and share of the next column tile.
-    auto stream = [&](int64_t m) {
-      return m > 0 || fetched ? kPrefetchNone : tiles == 1 ? kPrefetchFar : kPrefetchAhead;
-    };
+    auto stream = [&](int64_t m) { return m > 0 || fetched ? kPrefetchNone : kPrefetchAhead; };
     auto fetch = [&](int64_t m) {
       return NextTile(next_bytes ? next_ptr : nullptr, next_bytes, m / mb, tiles, kp / 2);
     };
