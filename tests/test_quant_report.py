@@ -148,3 +148,36 @@ def test_text_too_short_names_the_token_counts(model, tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "tokens" in err and f"needs at least {2 * N_CTX}" in err
+
+
+def test_the_modes_take_turns_at_the_speed_runs(monkeypatch):
+    """A spell of host load lands on every mode alike: round r runs every mode once, the order
+    reversed every other round, and each engine is freed before the next is built (one model in
+    memory at a time)."""
+    from inferlab.quality import report_speed
+
+    built, order, live = [], [], set()
+
+    class Engine:
+        def __init__(self, label):
+            assert not live, "an engine was built while another was still held"
+            self.label = label
+            live.add(label)
+
+        def __del__(self):
+            live.discard(self.label)
+
+    def build(label):
+        built.append(label)
+        return Engine(label)
+
+    def speed_run(llm, settings):
+        order.append(llm.label)
+        return {"a": 10.0, "b": 20.0, "c": 30.0}[llm.label] + len(order), 100.0
+
+    monkeypatch.setattr(report_speed, "speed_run", speed_run)
+    settings = report_speed.SpeedSettings(streams=2, prompt_tokens=4, output_tokens=2, runs=3)
+    speeds, seconds = report_speed.alternated_speeds(["a", "b", "c"], build, settings)
+    assert order == built == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert speeds["a"].one_stream_runs == [11.0, 16.0, 17.0] and speeds["a"].one_stream == 16.0
+    assert speeds["c"].streams == 100.0 and set(seconds) == {"a", "b", "c"}

@@ -12,11 +12,10 @@ linear runs the decode-size kernels (w8a8's int8-quantized x, vdpbf16ps) rather 
 prefill GEMM (oneDNN bf16 on converted tiles), and every piece after the first attends over K/V
 read back from the cache in its dtype. Prefilled in one step, a chunk attends over its fresh
 float32 K/V and multiplies through the GEMM: every K/V dtype then scored the same, and w8a8 the
-same as int8 (measured). Each mode's
-engine is built once, scores the chunks (perplexity, KLD vs the base, same top token), then
-runs the decode speed test (report_speed.py), and is freed before the next one is built, so
-only one model is in memory at a time. The result is a plain JSON-ready document; rendering
-is report_render.py's job.
+same as int8 (measured). Each mode's engine is built, scores the chunks (perplexity, KLD vs the
+base, same top token) and is freed before the next one is built; then the modes take turns at
+the decode speed test (report_speed.alternated_speeds), so only one model is in memory at a
+time. The result is a plain JSON-ready document; rendering is report_render.py's job.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ from inferlab.kernels.linear import MKL_MIN_ROWS
 from inferlab.quality.kld import BaseRows, KldAccumulator, KldSummary, base_rows, token_stats
 from inferlab.quality.perplexity import Chunking, make_chunks
 from inferlab.quality.report_modes import Mode, Skipped
-from inferlab.quality.report_speed import SpeedSettings, measure_speed
+from inferlab.quality.report_speed import Speed, SpeedSettings, alternated_speeds
 from inferlab.quality.scoring import score_chunks
 
 
@@ -139,16 +138,20 @@ def _finite(x: float) -> float | None:
     return None if x is None or not math.isfinite(x) else float(x)
 
 
-def _row(mode: Mode, llm, summary, speed, seconds: dict[str, float]) -> dict[str, Any]:
+def _facts(llm) -> dict[str, Any]:
+    """What a row says of a mode's built engine (kept once the engine is freed)."""
     model = llm.engine.runner.model
+    return {"precision": model.describe_precision(), "weight_bytes": int(model.weight_nbytes),
+            "decode_weight_bytes": int(model.decode_weight_nbytes),
+            "kv_bytes_per_token": kv_bytes_per_token(llm.engine.runner)}
+
+
+def _row(mode: Mode, facts: dict[str, Any], summary: KldSummary, speed: Speed, seconds: dict[str, float]) -> dict[str, Any]:
     return {
         "label": mode.label, "kind": mode.kind,
         "engine_args": {"dtype": mode.dtype, "weight_dtype": mode.weight_dtype, "kv_cache_dtype": mode.kv_cache_dtype},
         "compute": mode.compute, "weights": mode.weights, "kv": mode.kv,
-        "precision": model.describe_precision(),
-        "weight_bytes": int(model.weight_nbytes),
-        "decode_weight_bytes": int(model.decode_weight_nbytes),
-        "kv_bytes_per_token": kv_bytes_per_token(llm.engine.runner),
+        **facts,
         "ppl": summary.ppl[0], "ppl_error": _finite(summary.ppl[1]),
         "ppl_change_pct": 100 * (summary.ppl_ratio[0] - 1), "ppl_change_pct_error": 100 * summary.ppl_ratio[1],
         "kld_mean": summary.kld[0], "kld_mean_error": summary.kld[1],
@@ -215,6 +218,7 @@ def measure(settings: ReportSettings, modes: list[Mode], skipped: list[Skipped],
     facts: dict[str, Any] = {}
     bar = None
     model_name = ""
+    scored: list[tuple[Mode, dict[str, Any], KldSummary, dict[str, float]]] = []  # what the rows need
     for mode in modes:
         t0 = time.perf_counter()
         try:
@@ -236,15 +240,20 @@ def measure(settings: ReportSettings, modes: list[Mode], skipped: list[Skipped],
         bar.set_description(mode.label)
         t1 = time.perf_counter()
         summary, base = _score(llm, chunking, chunks, s, base, bar.update)
-        t2 = time.perf_counter()
-        speed = measure_speed(llm, s.speed, on_run=bar.update)
-        row = _row(mode, llm, summary, speed, {"load": t_load, "score": t2 - t1, "speed": time.perf_counter() - t2})
-        rows.append(row)
-        bar.write(f"quant-report: {mode.label}: PPL {row['ppl']:.4f}, KLD {row['kld_mean']:.6f}, "
-                  f"same top {row['same_top_pct']:.2f}%, decode {row['decode_tps_1']:.1f} tok/s (1 stream), "
-                  f"{row['decode_tps_n']:.1f} ({s.speed.streams} streams); {row['precision']}", file=log)
+        scored.append((mode, _facts(llm), summary, {"load": t_load, "score": time.perf_counter() - t1}))
+        bar.write(f"quant-report: {mode.label}: PPL {summary.ppl[0]:.4f}, KLD {summary.kld[0]:.6f}, "
+                  f"same top {100 * summary.same_top[0]:.2f}%; {scored[-1][1]['precision']}", file=log)
         del llm  # one model in memory at a time
         gc.collect()
+    by_label = {mode.label: mode for mode, *_ in scored}
+    speeds, speed_seconds = alternated_speeds(list(by_label), lambda label: _build(by_label[label], s), s.speed,
+                                              on_run=bar.update if bar is not None else None)
+    for mode, facts_, summary, seconds in scored:
+        row = _row(mode, facts_, summary, speeds[mode.label], {**seconds, "speed": speed_seconds[mode.label]})
+        rows.append(row)
+        if bar is not None:
+            bar.write(f"quant-report: {mode.label}: decode {row['decode_tps_1']:.1f} tok/s (1 stream), "
+                      f"{row['decode_tps_n']:.1f} ({s.speed.streams} streams)", file=log)
     if bar is not None:
         bar.close()
     machine["load_average_end"] = [round(x, 2) for x in os.getloadavg()]

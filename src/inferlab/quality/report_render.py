@@ -70,8 +70,9 @@ def markdown(doc: dict[str, Any]) -> str:
         f"top {t['kld_top_k']} log-probs + the rest (so KLD is a lower bound, see perplexity.md). ΔPPL: "
         f"PPL / PPL(base) − 1.",
         f"- Speed: offline engine, greedy, fixed prompts of {sp['prompt_tokens']} tokens, {sp['output_tokens']} "
-        f"out; decode tokens/s after the first token, medians of {sp['runs']} runs; the {sp['streams']} streams "
-        f"are prefilled together (the first run; the next ones reuse it through the prefix cache).",
+        f"out; decode tokens/s after the first token, medians of {sp['runs']} rounds in which the modes take "
+        f"turns (each round builds every mode's engine in turn, the order reversed every other round); the "
+        f"{sp['streams']} streams are prefilled together, before the timed span.",
         "",
         "| " + " | ".join(c.format(n=sp["streams"]) for c in COLUMNS) + " |",
         "|" + "|".join("---" if i < 3 else "---:" for i in range(len(COLUMNS))) + "|",

@@ -6,14 +6,21 @@ token, over the time from the first first-token to the last token: the engine's 
 (LLM's max_num_batched_tokens) must take every prompt at once (in as many pieces as the
 scheduler cuts it into, the same for every stream), so that all streams finish their prefill in
 the same step and the span holds decode steps only (measure_speed checks the budget). The median of `runs` runs is reported, with the runs.
-Every run uses the same prompts through the prefix cache, so only the first run pays the prefill
-(4,096 tokens at 32 x 128, the bulk of a run's time on a small CPU) and the rest decode at once;
-decode reads the same K/V either way.
+
+The modes take turns (`alternated_speeds`): round r builds every mode's engine in turn (the order
+reversed every other round), runs its one-stream and N-stream runs and frees it, so a spell of
+host load lands on every mode alike. Measured mode after mode, a spell inverted two rows of one
+report (a bfloat16 K/V cache 752 against float16's 952 tok/s at 32 streams, where alternated
+runs in one process put bfloat16 at or above float16). Rebuilding keeps one model in memory at
+a time; a build's first N-stream run pays the prefill outside the timed span (the span starts
+at the first first-token).
 """
 
 from __future__ import annotations
 
+import gc
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -62,20 +69,38 @@ def decode_tokens_per_second(llm, prompts: list[list[int]], output_tokens: int) 
     return tokens / (last - first) if last > first else float("nan")
 
 
-def measure_speed(llm, settings: SpeedSettings, on_run: Callable[[], object] | None = None) -> Speed:
-    """Medians of settings.runs one-stream and N-stream runs; on_run() after each run (progress)."""
+def speed_run(llm, settings: SpeedSettings) -> tuple[float, float]:
+    """One one-stream and one N-stream run on a built engine: their decode tokens/s."""
     budget = llm.engine.scheduler_config.max_num_batched_tokens
     if budget < settings.tokens_per_step or llm.engine.max_num_seqs < settings.streams:
         raise ValueError(f"the engine takes {budget} tokens and {llm.engine.max_num_seqs} sequences per step; "
                          f"the speed runs need {settings.tokens_per_step} and {settings.streams}")
-    vocab = llm.engine.model_config.vocab_size
-    one, many = [], []
-    prompts = fixed_prompts(settings.streams, settings.prompt_tokens, vocab)
-    for _ in range(settings.runs):
-        one.append(decode_tokens_per_second(llm, prompts[:1], settings.output_tokens))
-        if on_run:
-            on_run()
-        many.append(decode_tokens_per_second(llm, prompts, settings.output_tokens))
-        if on_run:
-            on_run()
-    return Speed(statistics.median(one), statistics.median(many), one, many)
+    prompts = fixed_prompts(settings.streams, settings.prompt_tokens, llm.engine.model_config.vocab_size)
+    decode_tokens_per_second(llm, [prompts[0][:8]], 4)  # a fresh engine's first steps, untimed
+    one = decode_tokens_per_second(llm, prompts[:1], settings.output_tokens)
+    return one, decode_tokens_per_second(llm, prompts, settings.output_tokens)
+
+
+def alternated_speeds(labels: list[str], build: Callable[[str], object], settings: SpeedSettings,
+                      on_run: Callable[[], object] | None = None) -> tuple[dict[str, Speed], dict[str, float]]:
+    """Every mode's Speed (medians of settings.runs rounds) and its seconds (builds included):
+    each round builds, runs and frees every mode's engine in turn, the order reversed every
+    other round (see the module docstring). on_run() after each run (progress)."""
+    one: dict[str, list[float]] = {k: [] for k in labels}
+    many: dict[str, list[float]] = {k: [] for k in labels}
+    seconds = dict.fromkeys(labels, 0.0)
+    for r in range(settings.runs):
+        for label in labels if r % 2 == 0 else labels[::-1]:
+            t0 = time.perf_counter()
+            llm = build(label)
+            a, b = speed_run(llm, settings)
+            del llm
+            gc.collect()
+            one[label].append(a)
+            many[label].append(b)
+            seconds[label] += time.perf_counter() - t0
+            if on_run:
+                on_run()
+                on_run()
+    speeds = {k: Speed(statistics.median(one[k]), statistics.median(many[k]), one[k], many[k]) for k in labels}
+    return speeds, seconds
