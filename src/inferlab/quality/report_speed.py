@@ -1,11 +1,12 @@
-"""Decode speed of an engine already built for the report: one stream and N streams, offline.
+"""Decode speed of the report's modes: one stream and N streams, offline, the modes taking turns.
 
 Fixed prompts (seeded token ids, the same for every mode), greedy, ignore_eos, so every mode
 decodes the same number of tokens. Decode tokens/s is what the streams produce after their first
 token, over the time from the first first-token to the last token: the engine's token budget
 (LLM's max_num_batched_tokens) must take every prompt at once (in as many pieces as the
 scheduler cuts it into, the same for every stream), so that all streams finish their prefill in
-the same step and the span holds decode steps only (measure_speed checks the budget). The median of `runs` runs is reported, with the runs.
+the same step and the span holds decode steps only (speed_run checks the budget). The median of
+`runs` rounds is reported, with every round's figure.
 
 The modes take turns (`alternated_speeds`): round r builds every mode's engine in turn (the order
 reversed every other round), runs its one-stream and N-stream runs and frees it, so a spell of
