@@ -24,7 +24,7 @@ def models(tmp_path_factory):
 
 
 def _generate(path, monkeypatch, use_step: bool, weight_dtype: str, n_prompts: int, kv_cache_dtype: str = "auto",
-              expect_step: bool | None = None, **backends):
+              expect_step: bool | None = None, num_kv_blocks: int = 128, **backends):
     """Greedy outputs on the "step" backend or (`use_step` False) the "fused" one, unless
     `backends` says otherwise; asserts whether a DecoderStep really ran (`expect_step`, default:
     whenever it is on)."""
@@ -38,8 +38,9 @@ def _generate(path, monkeypatch, use_step: bool, weight_dtype: str, n_prompts: i
         return step
 
     monkeypatch.setattr(decoder.DecoderModel, "_decode_step", spy)
-    llm = LLM(str(path), dtype="float32", weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype, num_kv_blocks=128,
-              **backends)
+    llm = LLM(str(path), dtype="float32", weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype,
+              num_kv_blocks=num_kv_blocks, **backends)
+    steps.clear()  # the engine's warm-up at start ran a small step: count the generation's own
     g = torch.Generator().manual_seed(n_prompts)
     prompts = [torch.randint(3, 250, (int(n),), generator=g).tolist()
                for n in torch.randint(2, 40, (n_prompts,), generator=g)]
@@ -67,6 +68,21 @@ def test_decode_step_gives_the_per_operator_tokens_and_logprobs(models, monkeypa
     # int8 weight-only from INT8_BF16_MIN_ROWS rows too (its codes as bf16 tiles, x rounded).
     # w8a8 too: a last-bit difference can move a value across a quantization step.
     tol = 5e-3 if weight_dtype in ("bfloat16", "int8", "w8a8") and build.kernel_info().bf16_dot else 1e-4
+    assert_same_greedy(step, ops, tol=tol, top_ids=True)
+
+
+@pytest.mark.parametrize("weight_dtype,max_rows", [("float16", 256), ("int8", 128)])
+def test_16bit_decode_steps_of_up_to_256_rows_run_in_one_call(models, monkeypatch, weight_dtype, max_rows):
+    """precision.decode_step_max_rows: with 16-bit weights a decode-only step of 128-255 rows (140
+    prompts decoded in lock step; speculative verification at 32 streams is up to 160) still runs
+    as one DecoderStep call, so it multiplies as a smaller step does; int8 weights go per operator
+    from 128 rows. The operators' tokens either way."""
+    big = dict(num_kv_blocks=640, max_num_seqs=256, max_num_batched_tokens=8192)  # every prompt in one step
+    llm = LLM(str(models["llama"]), dtype="float32", weight_dtype=weight_dtype, num_kv_blocks=16)
+    assert llm.engine.precision.decode_step_max_rows == max_rows
+    step = _generate(models["llama"], monkeypatch, True, weight_dtype, 140, expect_step=max_rows > 140, **big)
+    ops = _generate(models["llama"], monkeypatch, False, weight_dtype, 140, **big)
+    tol = 5e-3 if weight_dtype == "int8" and build.kernel_info().bf16_dot else 1e-4
     assert_same_greedy(step, ops, tol=tol, top_ids=True)
 
 

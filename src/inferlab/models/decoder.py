@@ -215,9 +215,10 @@ class DecoderModel:
         each layer's output is added by the next norm."""
         g = meta.decode
         t = input_ids.shape[0]
-        if self.step_ok and meta.num_decode_tokens == t and t < MKL_MIN_ROWS and isinstance(g, PagedDecode):
-            # A decode-only step (most steps): every layer in one kernel call. From MKL_MIN_ROWS
-            # rows on, the per-operator path's GEMMs are faster than the decode micro-kernel.
+        if self.step_ok and meta.num_decode_tokens == t and t < self.precision.decode_step_max_rows \
+                and isinstance(g, PagedDecode):
+            # A decode-only step (most steps): every layer in one kernel call. From
+            # decode_step_max_rows rows on, the per-operator path's GEMMs are faster.
             step = self._decode_step(kv_caches, g.block_size)
             if step is not None:
                 x = self.embed.rows(input_ids).contiguous()  # a fresh tensor: the step updates it in place
