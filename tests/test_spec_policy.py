@@ -11,12 +11,13 @@ from engine_factories import make_request, make_scheduler
 from test_spec_decode_core import PROMPT, prefill
 
 from inferlab.config import SpeculativeConfig
+from inferlab.engine.outputs import ModelRunnerOutput
 from inferlab.engine.spec_policy import MARGIN, PROBE_EVERY, PROBE_MAX, SpecPolicy
 
 
-def measured(a: float, b: float, k: int = 4) -> SpecPolicy:
+def measured(a: float, b: float, k: int = 4, shadow: bool = False) -> SpecPolicy:
     """A policy that has seen decode steps of 1..40 rows costing exactly a + b·rows."""
-    p = SpecPolicy(k)
+    p = SpecPolicy(k, shadow_probes=shadow)
     for rows in list(range(1, 41)) * 3:
         p.observe_step(rows, a + b * rows)
     return p
@@ -70,6 +71,51 @@ def test_a_request_kept_from_drafting_is_probed_now_and_then():
     assert ks.count(1) == 3 and ks.count(0) == len(ks) - 3
     # Probes at 32 streams are rarer (each is a row of a dear step), but not never.
     assert PROBE_EVERY == p.probe_every(1) < p.probe_every(32) <= PROBE_MAX
+
+
+def test_a_shadow_probe_costs_no_row_and_counts_as_the_verdict_verification_would_give():
+    p, twin = measured(0.010, 0.0005, shadow=True), measured(0.010, 0.0005)
+    for q in (p, twin):
+        accepting(q, "chat", 0.1)
+    plans = [p.plan("chat", batch=32) for _ in range(PROBE_EVERY)]
+    assert plans.count((4, True)) == 1 and plans.count((0, False)) == PROBE_EVERY - 1
+    assert p.num_drafts("other", batch=32) == 0  # nothing to verify, ever, from a shadow
+    p.observe_shadow("chat", [5, 6, 7, 8])
+    # While one is pending no other is proposed for the request.
+    assert all(p.plan("chat", batch=32) == (0, False) for _ in range(2 * PROBE_EVERY))
+    for token in (5, 6, 9, 7):  # two kept, the third is not: 4 drafts, 2 accepted
+        p.observe_tokens("chat", [token])
+    twin.observe_verdict("chat", 4, 2)
+    assert p.acceptance("chat") == pytest.approx(twin.acceptance("chat"))
+    assert p.plan("chat", batch=32) == (4, True)  # the next one is due at once
+    p.observe_shadow("chat", [1, 2])
+    p.observe_tokens("chat", [1, 2, 3])  # every draft matched, in one call
+    twin.observe_verdict("chat", 2, 2)
+    assert p.acceptance("chat") == pytest.approx(twin.acceptance("chat"))
+
+
+def test_copying_seen_by_shadow_probes_turns_drafting_on_without_a_drafted_row_before():
+    """A request whose history says drafts fail, that then copies: its shadow probes see the
+    copy, and it drafts; no step before that carried a draft, and the metrics count none."""
+    sched = make_scheduler(speculative_config=SpeculativeConfig("ngram", 4, 3, 1), block_size=4)
+    for _ in range(50):
+        sched.policy.observe_verdict("old", 4, 0)
+    for rows in range(1, 40):
+        sched.policy.observe_step(rows, 0.01 + 0.002 * rows)
+    period = [10, 11, 12, 13, 14]
+    r = make_request("r", period * 3, max_tokens=64)
+    prefill(sched, r, first=10)
+    for step in range(2 * PROBE_EVERY):
+        so = sched.schedule()
+        if so.scheduled[0].num_draft_tokens:
+            break
+        sched.update_from_output(so, ModelRunnerOutput(["r"], [period[len(r.all_token_ids) % 5]]))
+    else:
+        pytest.fail("the copying request never drafted")
+    assert step > 0 and sched.spec_stats.num_drafts == 0
+    assert sched.policy.requests["r"].trials == [1, 1, 1, 1]  # a shadow of 4 drafts, all kept
+    drafts = so.scheduled[0].token_ids[1:]
+    assert drafts == [period[(len(r.all_token_ids) + j) % 5] for j in range(len(drafts))]
 
 
 def test_acceptance_is_per_position():

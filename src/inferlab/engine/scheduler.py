@@ -99,7 +99,9 @@ class Scheduler:
         # Whether drafts are expected to pay, per request and step (None: always K).
         self.policy: SpecPolicy | None = None
         if speculative_config is not None and speculative_config.adaptive:
-            self.policy = SpecPolicy(speculative_config.num_speculative_tokens)
+            # A proposer that is not a model drafts for the price of a search: probe in shadow.
+            self.policy = SpecPolicy(speculative_config.num_speculative_tokens,
+                                     shadow_probes=speculative_config.method != "draft_model")
         self.spec_stats = SpecDecodeStats()  # cumulative
 
     # ------------------------------------------------------------------ requests in and out
@@ -317,14 +319,20 @@ class Scheduler:
         its distribution."""
         assert self.proposer is not None
         decoding = [r for r in self.running if r.num_computed_tokens == r.num_tokens - 1]  # not prefilling
+        # Prompt tokens in this step (a running prefill, or one to admit): the policy drafts none.
+        prefill = len(decoding) < len(self.running) or (bool(self.waiting) and len(self.running) < self.config.max_num_seqs)
         batch: list[tuple[Request, int]] = []
+        shadows: list[str] = []
         for request in decoding:
             params = request.sampling_params
             room = min(budget - 1, self._max_len(request) - request.num_tokens - 1)
             if params.max_tokens is not None:
                 room = min(room, params.max_tokens - request.num_output_tokens - 1)
             if self.policy is not None and room > 0:
-                room = min(room, self.policy.num_drafts(request.request_id, len(decoding)))
+                k, shadow = self.policy.plan(request.request_id, len(decoding), prefill)
+                room = min(room, k)
+                if shadow and room > 0:
+                    shadows.append(request.request_id)
             if room > 0:
                 batch.append((request, room))
         if not batch:
@@ -333,6 +341,8 @@ class Scheduler:
         drafts = self.proposer.propose_requests(batch)
         if self.policy is not None:
             self.policy.observe_proposal(self.clock() - t0, sum(len(d) for d in drafts.values()))
+            for rid in shadows:  # checked against the tokens decoded, never scheduled
+                self.policy.observe_shadow(rid, drafts.pop(rid, []))
         return drafts
 
     def _make_scheduled(self, request: Request, num_new: int, drafts: list[int]) -> ScheduledRequest:
@@ -397,6 +407,8 @@ class Scheduler:
                 self.spec_stats.observe(k, len(tokens) - 1)
                 if self.policy is not None:
                     self.policy.observe_verdict(rid, k, len(tokens) - 1)
+            elif self.policy is not None:
+                self.policy.observe_tokens(rid, new_tokens)
             if status is not None:
                 self._finish(request, status)
                 finished.append(request)

@@ -30,14 +30,28 @@ step's own rate by MARGIN, because near the break-even the estimates' errors (ac
 drifts within a reply, a step cost that is not exactly linear in rows) make them a loss as
 often as a gain, and at 32 streams that is where plain chat sits.
 
-A request the rule keeps from drafting still gets one draft now and then (a probe), so that
-its estimate follows a reply that turns to copying (else a low start would never be revised);
-probes are spaced so that they cost at most PROBE_SHARE of the step time (every PROBE_EVERY-th
-step at one stream) but come at least every PROBE_MAX-th step (the 64th at 32 streams), a new
-request's first one staggered, so that even short replies at 32 streams probe. The
-engine-wide rates decay (TOTAL_DECAY per verdict), so the prior follows a workload that changes. At one stream on a CPU (b ≪ a) almost any acceptance
-pays; at 32 streams a row costs about as much as the tokens it might save, and only drafts
-accepted most of the time (copying) still pay.
+A step that carries prompt tokens (a prefill chunk beside the decodes) verifies no drafts. Such a
+step is compute-bound: a draft's row there costs what a prompt token costs plus its logits,
+more than the decode row it may save later, and it takes budget from the prompts (their first
+tokens come later). Measured on the AVX2 path at 32 streams (code edits, 5,400 prompt tokens a
+turn in three 1.3-3.4 s steps): drafts all accepted in those steps still cost 3.3-3.8 ms a row
+against ~2.4 ms a decode row at 32 streams, and pushed prompt tokens into the next step; the
+rule's step cost, fitted on decode-only steps, cannot see that. SGLang likewise speculates in
+decode batches only.
+
+A request the rule keeps from drafting still gets a probe now and then, so that its estimate
+follows a reply that turns to copying (else a low start would never be revised). With a proposer
+that is not a model (n-gram, suffix) a probe is a *shadow*: K drafts are proposed but not
+scheduled, and checked against the tokens the request then decodes: the verdict a verification
+would give (greedy exactly; sampled, a draft matches with probability p(draft), the rejection
+rule's acceptance) at no row's cost, only the proposer's. Shadows come every PROBE_EVERY-th step.
+A draft model's probe is one real draft (its proposal is a model pass either way), spaced so
+that probes cost at most PROBE_SHARE of the step time (every PROBE_EVERY-th step at one stream)
+but come at least every PROBE_MAX-th step (the 64th at 32 streams). A new request's first probe
+is staggered, so that even short replies at 32 streams probe. The engine-wide rates decay
+(TOTAL_DECAY per verdict), so the prior follows a workload that changes. At one stream on a CPU
+(b << a) almost any acceptance pays; at 32 streams a row costs about as much as the tokens it
+might save, and only drafts accepted most of the time (copying) still pay.
 
 Pure Python, no torch, no clock: the scheduler feeds it step times and verdicts.
 """
@@ -50,7 +64,7 @@ from dataclasses import dataclass, field
 PRIOR_ROW_COST = 1 / 16  # b / a before measurements
 PRIOR_WEIGHT = 2.0  # trials the engine-wide acceptance counts for in a new request's estimate
 DECAY = 0.98  # weight of the past per observed step in the cost fit
-PROBE_EVERY = 16  # a request kept from drafting drafts 1 token every this many steps, at least
+PROBE_EVERY = 16  # a request kept from drafting is probed every this many steps (shadows: exactly)
 PROBE_SHARE = 0.005  # ... and at most this share of the step time goes to probes,
 PROBE_MAX = 64  # ... but at least once in a reply of this many tokens
 TOTAL_DECAY = 0.995  # weight of the past per verdict in the engine-wide acceptance (the prior)
@@ -82,6 +96,7 @@ class _Acceptance:
 @dataclass
 class SpecPolicy:
     k: int
+    shadow_probes: bool = False  # probes proposed and checked against the decoded tokens, not verified
     # Exponentially weighted sums for the least-squares fit of step time on rows.
     _w: float = 0.0
     _x: float = 0.0
@@ -97,6 +112,7 @@ class SpecPolicy:
     _cost: tuple[float, float] | None = None
     _prior: list[float] | None = None
     _arrivals: int = 0  # requests seen, to stagger their first probes
+    _shadows: dict[str, tuple[list[int], int]] = field(default_factory=dict)  # request → (drafts, matched so far)
 
     # ------------------------------------------------------------------ what is measured
 
@@ -119,13 +135,42 @@ class SpecPolicy:
 
     def observe_verdict(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """Positions verified: the accepted ones, and the first rejected one if any."""
+        self._shadows.pop(request_id, None)  # a verification says more than a pending shadow
+        self._record(request_id, num_drafts, num_accepted)
+
+    def _record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         self.requests.setdefault(request_id, _Acceptance()).add(num_drafts, num_accepted)
         self.total.add(num_drafts, num_accepted, TOTAL_DECAY)  # the prior follows the workload
         self._prior = None
 
+    def observe_shadow(self, request_id: str, drafts: list[int]) -> None:
+        """A shadow probe's drafts, proposed to follow the request's tokens as scheduled."""
+        if drafts:
+            self._shadows[request_id] = (list(drafts), 0)
+
+    def observe_tokens(self, request_id: str, tokens: list[int]) -> None:
+        """Tokens the request decoded, in order: a pending shadow is checked against them and,
+        at its first mismatch or its end, counts as the verdict a verification would have given."""
+        pending = self._shadows.get(request_id)
+        if pending is None:
+            return
+        drafts, matched = pending
+        for token in tokens:
+            if token != drafts[matched]:
+                break
+            matched += 1
+            if matched == len(drafts):
+                break
+        else:
+            self._shadows[request_id] = (drafts, matched)
+            return
+        del self._shadows[request_id]
+        self._record(request_id, len(drafts), matched)
+
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
         self.skipped.pop(request_id, None)
+        self._shadows.pop(request_id, None)
 
     # ------------------------------------------------------------------ the estimates
 
@@ -190,21 +235,33 @@ class SpecPolicy:
 
     # ------------------------------------------------------------------ the rule
 
-    def num_drafts(self, request_id: str, batch: int) -> int:
-        """Drafts for this request this step (0: decode one token) among `batch` decodes: the
-        rule's, or a probe of 1 every probe_every(batch)-th step the rule says 0."""
-        k = self.best_drafts(request_id, batch)
-        if k == 0:
-            n = self.skipped.get(request_id)
-            if n is None:  # a new request: probes staggered over the batch, not all at once
-                n, self._arrivals = self._arrivals % PROBE_MAX, self._arrivals + 1
-            n += 1
-            if n < self.probe_every(batch):
-                self.skipped[request_id] = n
-                return 0
-            k = 1
+    def plan(self, request_id: str, batch: int, prefill: bool = False) -> tuple[int, bool]:
+        """(drafts, shadow) for this request this step among `batch` decodes: the rule's drafts
+        to verify (0: decode one token); or, every probe_every(batch)-th step the rule says 0, a
+        probe: (1, False), or with shadow probes (K, True): propose up to K, verify none, and
+        report them to observe_shadow. A step that carries `prefill` verifies no drafts (a
+        shadow may still be proposed): see the module's docstring."""
+        k = 0 if prefill else self.best_drafts(request_id, batch)
+        if k:
+            self.skipped[request_id] = 0
+            return k, False
+        if prefill and not self.shadow_probes:
+            return 0, False
+        every = PROBE_EVERY if self.shadow_probes else self.probe_every(batch)
+        n = self.skipped.get(request_id)
+        if n is None:  # a new request: probes staggered over the interval, not all at once
+            n, self._arrivals = self._arrivals % every, self._arrivals + 1
+        n += 1
+        if n < every or request_id in self._shadows:
+            self.skipped[request_id] = n
+            return 0, False
         self.skipped[request_id] = 0
-        return k
+        return (self.k, True) if self.shadow_probes else (1, False)
+
+    def num_drafts(self, request_id: str, batch: int) -> int:
+        """Drafts to verify for this request this step (plan's, a shadow probe's being none)."""
+        k, shadow = self.plan(request_id, batch)
+        return 0 if shadow else k
 
     def best_drafts(self, request_id: str, batch: int) -> int:
         """The k in 0..K with the largest E(k)·S - (1 + MARGIN)·B·(b + c)·k (0 when none is
