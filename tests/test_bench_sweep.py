@@ -97,6 +97,26 @@ def test_parse_prometheus_metrics_vllm_and_llamacpp_names():
     assert parse_metrics(text) == {"running": 5.0, "kv_cache_usage": 0.25, "prefix_cache_hits": 40.0, "waiting": 4.0}
 
 
+def test_spec_decode_counters_give_the_acceptance_figures():
+    def text(drafts, tokens, accepted, per_pos):
+        lines = ["# TYPE vllm:spec_decode_num_drafts counter", f'vllm:spec_decode_num_drafts_total{{model_name="m"}} {drafts}',
+                 "# TYPE vllm:spec_decode_num_draft_tokens counter", f"vllm:spec_decode_num_draft_tokens_total {tokens}",
+                 "# TYPE vllm:spec_decode_num_accepted_tokens counter", f"vllm:spec_decode_num_accepted_tokens_total {accepted}",
+                 "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter"]
+        lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="{j}"}} {n}' for j, n in enumerate(per_pos)]
+        return "\n".join(lines) + "\n"
+
+    before = parse_metrics(text(10, 30, 5, [4, 1, 0]))
+    assert before["spec_accepted_pos_1"] == 1.0 and before["spec_drafts"] == 10.0
+    after = parse_metrics(text(60, 180, 95, [44, 31, 20]))
+    s = summarize_samples([ServerMetricsSample(0.0, before), ServerMetricsSample(1.0, after)])
+    spec = s.to_dict()["speculative"]
+    assert spec["acceptance_rate"] == pytest.approx(90 / 150)
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + 90 / 50)
+    assert spec["acceptance_per_position"] == pytest.approx([40 / 50, 30 / 50, 20 / 50])
+    assert summarize_samples([ServerMetricsSample(0.0, {"running": 1})]).speculative is None
+
+
 def test_server_metric_samples_summarize_to_mean_max_and_deltas():
     samples = [
         ServerMetricsSample(0.0, {"running": 2, "waiting": 0, "prefix_cache_queries": 100, "prefix_cache_hits": 10}),

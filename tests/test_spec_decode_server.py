@@ -3,10 +3,12 @@ drafts, streamed or not; acceptance in `timings` and on /metrics under vLLM's na
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 from server_harness import ServerThread, metric, scrape
 
+from inferlab.bench.server_metrics import parse_metrics, speculative_summary
 from inferlab.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig, SpeculativeConfig
 from inferlab.engine.llm_engine import LLMEngine
 from inferlab.models.testing import make_tiny_hf_model
@@ -51,3 +53,9 @@ def test_server_with_ngram_drafts(tiny_path):
         assert drafts >= accepted >= 2 * t["draft_n_accepted"] > 0
         assert metric(samples, "vllm:spec_decode_num_drafts_total") > 0
         assert metric(samples, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
+        # What `inferlab bench` reads off this /metrics (from a fresh server: the totals are the deltas).
+        spec = speculative_summary(parse_metrics(httpx.get(srv.url("/metrics")).text))
+        assert spec["acceptance_rate"] == pytest.approx(accepted / drafts)
+        assert spec["mean_acceptance_length"] == pytest.approx(
+            1 + accepted / metric(samples, "vllm:spec_decode_num_drafts_total"))
+        assert len(spec["acceptance_per_position"]) == 4 and spec["acceptance_per_position"][0] > 0

@@ -105,14 +105,16 @@ def test_copying_seen_by_shadow_probes_turns_drafting_on_without_a_drafted_row_b
     period = [10, 11, 12, 13, 14]
     r = make_request("r", period * 3, max_tokens=64)
     prefill(sched, r, first=10)
-    for step in range(2 * PROBE_EVERY):
+    decoded = 0
+    for _ in range(2 * PROBE_EVERY):
         so = sched.schedule()
         if so.scheduled[0].num_draft_tokens:
             break
         sched.update_from_output(so, ModelRunnerOutput(["r"], [period[len(r.all_token_ids) % 5]]))
+        decoded += 1
     else:
         pytest.fail("the copying request never drafted")
-    assert step > 0 and sched.spec_stats.num_drafts == 0
+    assert decoded > 0 and sched.spec_stats.num_drafts == 0
     assert sched.policy.requests["r"].trials == [1, 1, 1, 1]  # a shadow of 4 drafts, all kept
     drafts = so.scheduled[0].token_ids[1:]
     assert drafts == [period[(len(r.all_token_ids) + j) % 5] for j in range(len(drafts))]
@@ -172,6 +174,26 @@ def test_a_marginal_gain_is_not_taken():
     s = a + b * batch
     assert e1 * s > batch * b  # one draft would pay, a little
     assert p.best_drafts("r", batch) == 0
+
+
+def test_a_step_that_carries_prompt_tokens_verifies_no_drafts():
+    """Beside a prefill a step is compute-bound: a draft's row there costs a prompt token's time
+    and takes its budget. The copying request drafts again in the next decode-only step."""
+    sched = make_scheduler(speculative_config=SpeculativeConfig("ngram", 4, 3, 1), block_size=4)
+    for _ in range(50):
+        sched.policy.observe_verdict("old", 4, 4)  # drafts have been kept: the rule drafts
+    for rows in range(1, 40):
+        sched.policy.observe_step(rows, 0.01 + 0.0005 * rows)
+    r = make_request("r", PROMPT, max_tokens=32)
+    prefill(sched, r)
+    assert sched.policy.best_drafts("r", batch=1) > 0
+    sched.add_request(make_request("new", [20, 21, 22, 23, 24], max_tokens=8))
+    so = sched.schedule()
+    by = {s.request_id: s for s in so.scheduled}
+    assert by["r"].num_draft_tokens == 0 and len(by["new"].token_ids) == 5
+    sched.update_from_output(so, ModelRunnerOutput(["r", "new"], [14, 25]))
+    so = sched.schedule()  # decodes only
+    assert {s.request_id: s.num_draft_tokens for s in so.scheduled}["r"] > 0
 
 
 def test_the_scheduler_asks_the_policy_only_when_adaptive():

@@ -228,6 +228,12 @@ def result_rows(doc: dict[str, Any]) -> tuple[list[str], list[tuple[str, list[st
                 cells.append("—")
         if any_value:
             row(title, cells)
+    specs = [(run.get("server_metrics") or {}).get("speculative") for run in runs]
+    if any(specs):
+        row("spec decode acceptance rate", [_fmt(None if sp is None else 100 * sp["acceptance_rate"], 1, "%") for sp in specs])
+        row("spec decode mean acceptance length", [_fmt(None if sp is None else sp["mean_acceptance_length"], 2) for sp in specs])
+        row("spec decode acceptance per position", ["—" if sp is None else " / ".join(f"{a:.2f}" for a in sp["acceptance_per_position"])
+                                                    for sp in specs])
     return headers, rows
 
 

@@ -10,7 +10,10 @@ Reads vLLM's names (which our server exports too) and llama.cpp's equivalents:
 | KV usage (0–1)  | vllm:kv_cache_usage_perc     | llamacpp:kv_cache_usage_ratio   |
 
 Counters (vLLM names) are read at the start and the end, and their differences reported:
-tokens the server counted, preemptions, prefix-cache hits.
+tokens the server counted, preemptions, prefix-cache hits, and speculative decoding's drafts:
+the acceptance rate (accepted / draft tokens), the mean acceptance length (1 + accepted /
+drafts: tokens a verification step yields on average) and the acceptance at each draft
+position (accepted there / drafts), as vLLM's own spec-decode logging defines them.
 """
 
 from __future__ import annotations
@@ -34,7 +37,11 @@ COUNTERS: dict[str, str] = {
     "preemptions": "vllm:num_preemptions_total",
     "prefix_cache_queries": "vllm:prefix_cache_queries_total",
     "prefix_cache_hits": "vllm:prefix_cache_hits_total",
+    "spec_drafts": "vllm:spec_decode_num_drafts_total",
+    "spec_draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+    "spec_accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total",
 }
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"  # labelled by position: spec_accepted_pos_<j>
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -44,6 +51,8 @@ def parse_metrics(text: str) -> dict[str, float]:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             key = wanted.get(sample.name)
+            if sample.name == PER_POSITION and "position" in sample.labels:
+                key = f"spec_accepted_pos_{sample.labels['position']}"
             if key is not None:
                 totals[key] = totals.get(key, 0.0) + float(sample.value)
     return totals
@@ -66,6 +75,10 @@ class ServerMetricsSummary:
     prefix_cache_hit_rate: float | None = None
     samples: list[ServerMetricsSample] = field(default_factory=list)
 
+    @property
+    def speculative(self) -> dict[str, Any] | None:
+        return speculative_summary(self.counter_deltas)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "available": self.available,
@@ -73,6 +86,7 @@ class ServerMetricsSummary:
             "gauges": self.gauges,
             "counter_deltas": self.counter_deltas,
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
+            "speculative": self.speculative,
             "samples": [{"t": round(s.t, 4), **s.values} for s in self.samples],
         }
 
@@ -87,7 +101,9 @@ def summarize_samples(samples: list[ServerMetricsSample]) -> ServerMetricsSummar
         if xs:
             gauges[key] = {"mean": sum(xs) / len(xs), "max": max(xs)}
     deltas = {}
-    for key in COUNTERS:
+    positions = sorted({k for s in samples for k in s.values if k.startswith("spec_accepted_pos_")},
+                       key=lambda k: int(k.rsplit("_", 1)[1]))
+    for key in [*COUNTERS, *positions]:
         xs = [s.values[key] for s in samples if key in s.values]
         if xs:
             deltas[key] = xs[-1] - xs[0]
@@ -99,6 +115,21 @@ def summarize_samples(samples: list[ServerMetricsSample]) -> ServerMetricsSummar
         prefix_cache_hit_rate=(h / q) if q and h is not None else None,
         samples=samples,
     )
+
+
+def speculative_summary(deltas: dict[str, float]) -> dict[str, Any] | None:
+    """Speculative decoding over the run from counter differences (None: no drafts verified)."""
+    drafts, tokens = deltas.get("spec_drafts", 0.0), deltas.get("spec_draft_tokens", 0.0)
+    if drafts <= 0 or tokens <= 0:
+        return None
+    accepted = deltas.get("spec_accepted_tokens", 0.0)
+    per_pos, j = [], 0
+    while f"spec_accepted_pos_{j}" in deltas:
+        per_pos.append(deltas[f"spec_accepted_pos_{j}"] / drafts)
+        j += 1
+    return {"drafts": drafts, "draft_tokens": tokens, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / tokens, "mean_acceptance_length": 1 + accepted / drafts,
+            "acceptance_per_position": per_pos}
 
 
 class MetricsScraper:

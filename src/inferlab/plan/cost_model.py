@@ -40,12 +40,13 @@ class StepCostModel(Protocol):
 
 
 def shape_of(scheduler_output: SchedulerOutput) -> StepShape:
-    """A real step's shape. A decode is one token after the prompt; anything else (a prompt
-    chunk, or recomputing outputs after preemption) counts as prefill."""
+    """A real step's shape. A decode is one token after the prompt, with its drafts (decode
+    rows too: each reads the request's context); anything else (a prompt chunk, or recomputing
+    outputs after preemption) counts as prefill."""
     chunks = []
     for s in scheduler_output.scheduled:
         n = len(s.token_ids)
-        chunks.append((s.start_pos, n, n == 1 and s.start_pos >= len(s.prompt_token_ids)))
+        chunks.append((s.start_pos, n, n - s.num_draft_tokens == 1 and s.start_pos >= len(s.prompt_token_ids)))
     return StepShape.from_chunks(chunks)
 
 

@@ -35,6 +35,7 @@ def simulation_report(
     slo=None,
     usd_per_hour: float | None = None,
     plan_inputs: dict[str, Any] | None = None,
+    speculation: str | None = None,
 ) -> dict[str, Any]:
     """The bench's JSON document for a simulated run, plus a `simulation` section saying how."""
     records = result.records()
@@ -73,7 +74,7 @@ def simulation_report(
         "no tokenization, HTTP or detokenization time: a token is seen when its step ends"
         + (f"; a request reaches the scheduler {workload.request_latency_s * 1e3:g} ms after it is sent"
            if workload.request_latency_s else ""),
-    ]
+    ] + ([speculation] if speculation else [])
     doc["simulation"] = {
         "kind": "simulated",
         "hardware": hardware_name,
@@ -103,5 +104,10 @@ def _scheduler_gauges(result: SimResult) -> ServerMetricsSummary:
         "generation_tokens": float(sum(s.num_decode_tokens for s in steps)),
         "preemptions": float(result.num_preemptions),
     }
+    if result.spec is not None:  # as the bench reads vllm:spec_decode_* off a server
+        spec = result.spec
+        deltas |= {"spec_drafts": float(spec.num_drafts), "spec_draft_tokens": float(spec.num_draft_tokens),
+                   "spec_accepted_tokens": float(spec.num_accepted_tokens)}
+        deltas |= {f"spec_accepted_pos_{j}": float(n) for j, n in enumerate(spec.accepted_per_pos)}
     return ServerMetricsSummary(available=True, note="simulated scheduler state", gauges=gauges,
                                 counter_deltas=deltas)

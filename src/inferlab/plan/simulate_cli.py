@@ -6,6 +6,8 @@ the same report as `inferlab bench` so prediction and measurement compare line b
     inferlab simulate ... --calibrate profile.json     # cost fitted to our engine's measured steps
     inferlab simulate ... --constant-step-ms 10        # a trivial cost model (hand-checkable)
     inferlab simulate --calibrate-engine --profile-out profile.json   # measure our engine here first
+    inferlab simulate ... --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' \
+        --spec-acceptance 0.8,0.9                  # drafts kept as measured (bench's per-position acceptance)
     inferlab simulate ... --replicas 16 --router all --shared-prefixes 8 --shared-prefix-len 512
                                                        # a fleet behind the router's own core
     inferlab simulate ... --disaggregate 3:2 --kv-transfer-gbps 100 --goodput ttft:2000 tpot:50 \\
@@ -30,7 +32,7 @@ from inferlab.bench.metrics import (
     parse_slo,
 )
 from inferlab.bench.report import print_terminal, write_json
-from inferlab.config import CacheConfig, SchedulerConfig
+from inferlab.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from inferlab.engine.engine_args import EngineArgs
 from inferlab.plan import calibrate_cli
 from inferlab.plan.args import (
@@ -52,6 +54,7 @@ from inferlab.plan.cost_model import (
 )
 from inferlab.plan.roofline import kv_memory_available
 from inferlab.plan.sim_report import simulation_report
+from inferlab.plan.sim_speculation import parse_acceptance
 from inferlab.plan.simulator import SimWorkload, simulate
 from inferlab.router.policies import POLICIES
 
@@ -61,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("scheduler (the engine's own flags)")
     EngineArgs.add_cli_args(s, only=("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
                                      "long_prefill_token_threshold", "enable_prefix_caching"))
+    EngineArgs.add_cli_args(s, only=("speculative_config",))
+    s.add_argument("--spec-acceptance", default=None, metavar="A[,A...]",
+                   help="with --speculative-config: the chance a draft is kept at each position given the ones "
+                        "before it were (as `inferlab bench` reports it per position; the last repeats), e.g. 0.8,0.9")
     s.add_argument("--max-model-len", type=int, default=None, help="default: input + output length")
     s.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks (default: what the plan's memory budget leaves for KV)")
@@ -175,6 +182,9 @@ def run(args: argparse.Namespace) -> int:
         vocab_size=model.vocab_size, eos_probability=args.eos_probability, seed=args.seed,
         request_latency_s=args.request_latency_ms / 1000.0,
     )
+    if args.speculative_config is not None and (args.disaggregate is not None or args.replicas is not None
+                                                or args.router is not None):
+        raise ValueError("--speculative-config is simulated on one replica (not with --replicas, --router or --disaggregate)")
     if args.disaggregate is not None:
         return _run_disaggregated(args, model, workload, sched_cfg, cache_cfg, num_blocks, cost, log)
     if args.kv_transfer_gbps is not None:
@@ -183,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_fleet(args, workload, sched_cfg, cache_cfg, num_blocks, cost, log)
     if args.shared_prefixes != 1:
         raise ValueError("--shared-prefixes needs a fleet (--replicas N)")
-    result = simulate(workload, sched_cfg, cache_cfg, num_blocks, cost)
+    spec, acceptance, speculation = _speculation(args)
+    result = simulate(workload, sched_cfg, cache_cfg, num_blocks, cost, speculative_config=spec, acceptance=acceptance)
     doc = simulation_report(
         result, workload, sched_cfg, cache_cfg, cost,
         model_name=model.name,
@@ -195,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
         usd_per_hour=args.usd_per_hour,
         plan_inputs=None if inputs is None else {k: v for k, v in dataclasses.asdict(inputs).items()
                                                   if k not in ("model", "hardware")},
+        speculation=speculation,
     )
     if args.result_file:
         write_json(doc, args.result_file)
@@ -206,6 +218,24 @@ def run(args: argparse.Namespace) -> int:
         for line in doc["simulation"]["assumptions"]:
             print(f"• simulated: {line}")
     return 0
+
+
+def _speculation(args: argparse.Namespace) -> tuple[SpeculativeConfig | None, tuple[float, ...], str | None]:
+    """--speculative-config and --spec-acceptance: both or neither (one replica only)."""
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    if spec is None:
+        if args.spec_acceptance is not None:
+            raise ValueError("--spec-acceptance needs --speculative-config")
+        return None, (), None
+    if args.spec_acceptance is None:
+        raise ValueError("--speculative-config needs --spec-acceptance (the chance a draft is kept at each "
+                         "position, e.g. 0.8,0.9: what `inferlab bench` reports against a server)")
+    acceptance = parse_acceptance(args.spec_acceptance)
+    rule = "drafts where the engine's rule expects them to pay" if spec.adaptive else "K drafts every step"
+    note = (f"speculative decoding ({spec.method}, K = {spec.num_speculative_tokens}, {rule}): a draft is kept with "
+            f"probability {', '.join(f'{a:g}' for a in acceptance)} by position given the ones before it were; "
+            "drafts are decode rows of the step; proposing takes no time")
+    return spec, acceptance, note
 
 
 def _write_report(doc: dict, args: argparse.Namespace, log) -> bool:

@@ -19,19 +19,23 @@ simulated prefill of the replacements lands one step early.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from inferlab.bench.arrivals import LoadSpec, arrival_offsets
 from inferlab.bench.records import RequestRecord
-from inferlab.config import CacheConfig, SchedulerConfig
+from inferlab.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from inferlab.engine.outputs import ModelRunnerOutput
 from inferlab.engine.request import Request, SamplingParams
 from inferlab.engine.scheduler import Scheduler
+from inferlab.engine.spec_decode import SpecDecodeStats
 from inferlab.plan.cost_model import StepCostModel, shape_of
+from inferlab.plan.sim_speculation import SimProposer, SimReplies
 
 
 class VirtualClock:
@@ -99,12 +103,14 @@ class SimTrace:
     num_cached_tokens: int = 0
 
     def to_record(self) -> RequestRecord:
+        # Tokens of one step (a verification's accepted drafts) arrive in one chunk, as streamed.
+        chunks = [(t, len(list(g))) for t, g in itertools.groupby(self.token_times)]
         return RequestRecord(
             index=self.index,
             send_time=self.send_time,
             end_time=self.end_time,
-            chunk_times=list(self.token_times),
-            chunk_tokens=[1] * len(self.token_times),
+            chunk_times=[t for t, _ in chunks],
+            chunk_tokens=[n for _, n in chunks],
             prompt_tokens=self.prompt_tokens,
             output_tokens=len(self.token_times),
             output_tokens_source="simulated",
@@ -132,6 +138,7 @@ class SimResult:
     num_blocks: int
     block_size: int
     num_preemptions: int
+    spec: SpecDecodeStats | None = None  # drafts and acceptance, when speculation was simulated
 
     @property
     def duration_s(self) -> float:
@@ -155,8 +162,11 @@ def simulate(
     num_blocks: int,
     cost_model: StepCostModel,
     max_steps: int = 10_000_000,
+    speculative_config: SpeculativeConfig | None = None,
+    acceptance: Sequence[float] = (0.5,),
 ) -> SimResult:
-    """Run the workload to completion through the real Scheduler; see the module docstring."""
+    """Run the workload to completion through the real Scheduler; see the module docstring.
+    With `speculative_config`, drafts are right with `acceptance` per position (plan/sim_speculation.py)."""
     if num_blocks < 1:
         raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
     need = workload.input_len + workload.output_len
@@ -167,8 +177,15 @@ def simulate(
                          f"the cache has {num_blocks}")
 
     clock = VirtualClock()
-    sched = Scheduler(scheduler_config, cache_config, num_blocks, clock=clock)
     rng = np.random.default_rng(workload.seed)
+    replies: SimReplies | None = None
+    proposer: SimProposer | None = None
+    if speculative_config is not None:
+        replies = SimReplies(lambda n: _sample(rng, n, workload))
+        proposer = SimProposer(replies, speculative_config.num_speculative_tokens, acceptance, workload.vocab_size,
+                               workload.seed + 1)
+    sched = Scheduler(scheduler_config, cache_config, num_blocks, clock=clock,
+                      speculative_config=speculative_config, proposer=proposer)
     releases = arrival_offsets(workload.num_prompts, workload.load, workload.seed)
     prefix = _token_ids(rng, workload.shared_prefix_len, workload)
     traces: list[SimTrace] = []
@@ -239,7 +256,13 @@ def simulate(
         start = clock.now
         clock.now += dt
         ids = [s.request_id for s in so.scheduled if s.sample]
-        outs = sched.update_from_output(so, ModelRunnerOutput(ids, _sample(rng, len(ids), workload), step_time=dt))
+        if replies is None:
+            runner_out = ModelRunnerOutput(ids, _sample(rng, len(ids), workload), step_time=dt)
+        else:
+            got = {s.request_id: replies.verify(s) for s in so.scheduled if s.sample}
+            runner_out = ModelRunnerOutput(ids, [got[r][0] for r in ids], step_time=dt, spec_token_ids={
+                s.request_id: got[s.request_id] for s in so.scheduled if s.sample and s.num_draft_tokens})
+        outs = sched.update_from_output(so, runner_out)
         for out in outs:
             trace = by_id[out.request_id]
             trace.token_times.extend([clock.now] * len(out.new_token_ids))
@@ -249,6 +272,8 @@ def simulate(
                 trace.end_time = clock.now
                 trace.finish_reason = out.finish_reason
                 done += 1
+                if replies is not None:
+                    replies.forget(out.request_id)
                 if slots is not None:
                     heapq.heappush(slots, clock.now)
         stats = sched.get_stats()
@@ -258,7 +283,8 @@ def simulate(
         raise ValueError(f"the simulation did not finish within {max_steps} steps")
 
     traces.sort(key=lambda t: t.index)
-    return SimResult(traces, steps, num_blocks, cache_config.block_size, sched.get_stats().num_preemptions)
+    return SimResult(traces, steps, num_blocks, cache_config.block_size, sched.get_stats().num_preemptions,
+                     spec=sched.spec_stats if speculative_config is not None else None)
 
 
 def _token_ids(rng: np.random.Generator, n: int, w: SimWorkload) -> list[int]:
