@@ -148,7 +148,7 @@ COPY_HEAVY = ("copy", "edit", "code")
 
 
 def spec_config(method: str, args: argparse.Namespace) -> dict | None:
-    if method == "off":
+    if method in ("off", "control"):  # control: a second engine without drafts, the measurement's own noise
         return None
     spec: dict = {"method": method, "num_speculative_tokens": args.k}
     if method == "ngram":
@@ -419,7 +419,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--max-n", type=int, default=4, help="ngram: prompt_lookup_max")
     ap.add_argument("--min-n", type=int, default=2, help="ngram: prompt_lookup_min")
-    ap.add_argument("--methods", default="ngram,suffix", help="comma-separated, of ngram, suffix, draft_model")
+    ap.add_argument("--methods", default="ngram,suffix", help="comma-separated, of ngram, suffix, draft_model, control (a second engine without "
+                    "speculation: its ratio to the first is the measurement's own spread)")
     ap.add_argument("--draft-model", default=None, help="adds draft_model with this draft")
     ap.add_argument("--streams", default="1,32", help="comma-separated stream counts")
     ap.add_argument("--runs", type=int, default=3)

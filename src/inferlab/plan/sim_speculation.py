@@ -11,7 +11,7 @@ rows. The proposer's own time is not modelled (the virtual clock does not move w
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -35,7 +35,7 @@ class SimReplies:
     """Every request's reply token by token, drawn on first use by `draw(n)` (the simulator's
     dummy sampler, EOS included) and then fixed, so that drafts and samples agree on it."""
 
-    def __init__(self, draw) -> None:
+    def __init__(self, draw: Callable[[int], list[int]]) -> None:
         self._draw = draw
         self._replies: dict[str, list[int]] = {}
 
