@@ -4,7 +4,8 @@ Each step: release the requests whose send time has come, `schedule()`, ask the 
 how long that step's shape takes, advance the clock by it, sample dummy token ids (never
 EOS unless `eos_probability` says so) and `update_from_output()`. What comes out is, per
 request, the times a real client would have seen its tokens arrive, in the bench's own
-`RequestRecord`s, so the bench's metrics and report apply unchanged.
+`RequestRecord`s, so the bench's metrics and report apply unchanged. With a speculative config
+the replies are fixed in advance and drafted from at a given acceptance (plan/sim_speculation.py).
 
 Load follows the bench (`inferlab.bench.arrivals`): a closed loop of N clients
 (rate inf, max concurrency N), or Poisson/gamma arrivals at a rate, optionally capped.
