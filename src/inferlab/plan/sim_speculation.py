@@ -81,4 +81,4 @@ class SimProposer:
         return out
 
     def finish(self, request: Request) -> None:
-        pass  # the simulator forgets the reply when the request ends
+        self.replies.forget(request.request_id)  # the scheduler calls this as the request ends

@@ -182,9 +182,7 @@ def run(args: argparse.Namespace) -> int:
         vocab_size=model.vocab_size, eos_probability=args.eos_probability, seed=args.seed,
         request_latency_s=args.request_latency_ms / 1000.0,
     )
-    if args.speculative_config is not None and (args.disaggregate is not None or args.replicas is not None
-                                                or args.router is not None):
-        raise ValueError("--speculative-config is simulated on one replica (not with --replicas, --router or --disaggregate)")
+    spec, acceptance, speculation = _speculation(args)
     if args.disaggregate is not None:
         return _run_disaggregated(args, model, workload, sched_cfg, cache_cfg, num_blocks, cost, log)
     if args.kv_transfer_gbps is not None:
@@ -193,7 +191,6 @@ def run(args: argparse.Namespace) -> int:
         return _run_fleet(args, workload, sched_cfg, cache_cfg, num_blocks, cost, log)
     if args.shared_prefixes != 1:
         raise ValueError("--shared-prefixes needs a fleet (--replicas N)")
-    spec, acceptance, speculation = _speculation(args)
     result = simulate(workload, sched_cfg, cache_cfg, num_blocks, cost, speculative_config=spec, acceptance=acceptance)
     doc = simulation_report(
         result, workload, sched_cfg, cache_cfg, cost,
@@ -227,6 +224,8 @@ def _speculation(args: argparse.Namespace) -> tuple[SpeculativeConfig | None, tu
         if args.spec_acceptance is not None:
             raise ValueError("--spec-acceptance needs --speculative-config")
         return None, (), None
+    if args.disaggregate is not None or args.replicas is not None or args.router is not None:
+        raise ValueError("--speculative-config is simulated on one replica (not with --replicas, --router or --disaggregate)")
     if args.spec_acceptance is None:
         raise ValueError("--speculative-config needs --spec-acceptance (the chance a draft is kept at each "
                          "position, e.g. 0.8,0.9: what `inferlab bench` reports against a server)")

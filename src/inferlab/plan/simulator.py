@@ -273,8 +273,6 @@ def simulate(
                 trace.end_time = clock.now
                 trace.finish_reason = out.finish_reason
                 done += 1
-                if replies is not None:
-                    replies.forget(out.request_id)
                 if slots is not None:
                     heapq.heappush(slots, clock.now)
         stats = sched.get_stats()
