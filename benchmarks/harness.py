@@ -75,6 +75,7 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
     pgid = proc.pid
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGTERM)
+        os.killpg(pgid, signal.SIGCONT)  # a frozen group (spec_decode_vllm's) acts on its SIGTERM only once resumed
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(grace_s)
     deadline = time.monotonic() + 10

@@ -230,9 +230,13 @@ def run_all(args: argparse.Namespace, engines: dict[str, LLM], streams_list: lis
             for llm in engines.values():  # warm-up, each
                 one_turn(llm, prompts_for(name, streams, 0), params)
             for server in (vllm or {}).values():
-                server.one_turn(prompts_for(name, streams, 0), args.max_tokens)
+                with server.awake():
+                    server.one_turn(prompts_for(name, streams, 0), args.max_tokens)
             before = {m: engines[m].engine.get_stats() for m in methods}
-            v_before = vllm["ngram"].spec_counts() if vllm else {}
+            v_before = {}
+            if vllm:
+                with vllm["ngram"].awake():
+                    v_before = vllm["ngram"].spec_counts()
             speeds: dict[str, list[float]] = {m: [] for m in engines}
             same = {m: True for m in methods}
             v_speeds: dict[str, list[float]] = {"off": [], "ngram": []}
@@ -247,9 +251,11 @@ def run_all(args: argparse.Namespace, engines: dict[str, LLM], streams_list: lis
                 ids_b = ids_of["off"]
                 for m in methods:
                     same[m] &= ids_of[m] == ids_b
-                if vllm:
-                    vb, text_b = vllm["off"].one_turn(convs, args.max_tokens)
-                    vs, text = vllm["ngram"].one_turn(convs, args.max_tokens)
+                if vllm:  # each vLLM server runs only for its own turn (frozen otherwise: spec_decode_vllm.py)
+                    with vllm["off"].awake():
+                        vb, text_b = vllm["off"].one_turn(convs, args.max_tokens)
+                    with vllm["ngram"].awake():
+                        vs, text = vllm["ngram"].one_turn(convs, args.max_tokens)
                     v_speeds["off"].append(vb)
                     v_speeds["ngram"].append(vs)
                     v_same &= text == text_b
@@ -266,11 +272,13 @@ def run_all(args: argparse.Namespace, engines: dict[str, LLM], streams_list: lis
                 print(f"  {name} x{streams} {m}: {r['base_tok_s']:.1f} -> {r['spec_tok_s']:.1f} tok/s "
                       f"({r['ratio']:.2f}x)", flush=True)
             if vllm:
+                with vllm["ngram"].awake():
+                    v_after = vllm["ngram"].spec_counts()
                 rows.append({
                     "workload": name, "streams": streams, "method": "vllm-ngram", "tokens": sum(len(t) for t in ids_b),
                     "base_tok_s": statistics.median(v_speeds["off"]), "spec_tok_s": statistics.median(v_speeds["ngram"]),
                     "ratio": statistics.median(s / o for s, o in zip(v_speeds["ngram"], v_speeds["off"])),
-                    **peer.acceptance(v_before, vllm["ngram"].spec_counts(), args.k), "identical": v_same,
+                    **peer.acceptance(v_before, v_after, args.k), "identical": v_same,
                 })
                 r = rows[-1]
                 print(f"  {name} x{streams} vllm-ngram: {r['base_tok_s']:.1f} -> {r['spec_tok_s']:.1f} tok/s "

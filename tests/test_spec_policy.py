@@ -12,7 +12,7 @@ from test_spec_decode_core import PROMPT, prefill
 
 from inferlab.config import SpeculativeConfig
 from inferlab.engine.outputs import ModelRunnerOutput
-from inferlab.engine.spec_policy import MARGIN, PROBE_EVERY, PROBE_MAX, SpecPolicy
+from inferlab.engine.spec_policy import MARGIN, PROBE_EVERY, PROBE_MAX, SpecPolicy, measured_step_cost
 
 
 def measured(a: float, b: float, k: int = 4, shadow: bool = False) -> SpecPolicy:
@@ -42,6 +42,50 @@ def test_the_step_cost_is_fitted_from_measured_steps():
         p.observe_step(8, 0.015)
     a, b = p.step_cost()
     assert a + 8 * b == pytest.approx(0.015) and b == pytest.approx(a / 16)
+
+
+def test_the_start_up_measure_takes_medians_of_the_two_row_groups():
+    steps = [(1, 0.008), (1, 0.0081), (1, 0.050), (1, 0.0079)] + [(32, 0.040), (32, 0.041), (32, 0.039), (33, 0.2)]
+    a, b = measured_step_cost(steps)
+    assert b == pytest.approx((0.0405 - 0.00805) / (32.25 - 1)) and a == pytest.approx(0.00805 - b)  # the 50 and 200 ms steps ignored
+    assert measured_step_cost([(32, 0.04)] * 5) is None  # no spread
+    assert measured_step_cost([(1, 0.04), (32, 0.01)]) is None  # not a + b·T with b > 0
+
+
+def test_with_rows_that_never_vary_the_start_up_measure_sets_the_row_cost():
+    """32 streams in lock step: every step 32 rows, so no slope of their own. The prior b = a / 16
+    makes a row look cheap; the fixed part measured at start-up (8 ms) gives the row what the
+    steps cost beyond it, and drafts kept 89% of the time no longer pass at 32 streams."""
+    def lockstep(base_cost: float | None) -> SpecPolicy:
+        p = SpecPolicy(4)
+        if base_cost is not None:
+            p.base_cost, p.row_cost_ratio = base_cost, 1 / 12
+        for _ in range(50):
+            p.observe_step(32, 0.0416)  # 8 ms + 1.05 ms x 32: a 2-core Zen 4 at 280-token contexts
+        accepting(p, "r", 0.89)
+        return p
+
+    a, b = lockstep(0.008).step_cost()
+    assert a == pytest.approx(0.008) and b == pytest.approx(0.00105)
+    assert lockstep(None).best_drafts("r", batch=32) > 0
+    assert lockstep(0.008).best_drafts("r", batch=32) == 0
+    assert lockstep(0.008).best_drafts("r", batch=1) > 0  # at one stream drafting still pays
+    # A faster spell than at start-up: never below the measured b / a.
+    p = SpecPolicy(4, base_cost=0.008, row_cost_ratio=1 / 12)
+    for _ in range(50):
+        p.observe_step(32, 0.020)
+    assert p.step_cost()[1] == pytest.approx(0.008 / 12)
+
+
+def test_shadow_probes_are_spaced_by_what_the_proposer_costs():
+    """Shadows cost no row, only the proposer's search: every 16th step while that is cheap,
+    fewer (up to every 64th) once a batch's searches would take more than 0.5% of the step."""
+    p = measured(0.008, 0.001, shadow=True)
+    assert p.shadow_every(32) == PROBE_EVERY  # no proposal measured yet: free
+    p.observe_proposal(0.0001 * 4 * 10, 4 * 10)  # 0.1 ms a draft (a suffix search here)
+    assert p.shadow_every(1) == PROBE_EVERY
+    assert p.shadow_every(32) == PROBE_MAX  # 32 x 0.4 ms against 0.5% of a 40 ms step
+    assert PROBE_EVERY < p.shadow_every(8) < PROBE_MAX
 
 
 def test_one_stream_speculates_even_at_modest_acceptance():

@@ -24,6 +24,7 @@ from inferlab.engine.output_processor import OutputProcessor
 from inferlab.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from inferlab.engine.request import RequestOutput, SamplingParams, StructuredOutputsParams
 from inferlab.engine.scheduler import Scheduler
+from inferlab.engine.spec_policy import measured_step_cost
 from inferlab.engine.structured_outputs import GrammarCompiler
 from inferlab.engine.tracing import TraceRecorder
 from inferlab.models.backends import select_backends
@@ -142,15 +143,53 @@ class LLMEngine(RequestBook):
         self.add_request("inferlab-warm-up", prompt, params)
         while self.has_unfinished_requests():
             self.step()
+        cost = self._measure_step_cost() if self.scheduler.policy is not None else None
         self.trim_heap()
-        self.scheduler = self._new_scheduler()
+        self.scheduler = self._new_scheduler(cost)
         self.traces.clear()
 
-    def _new_scheduler(self) -> Scheduler:
+    def _measure_step_cost(self) -> tuple[float, float] | None:
+        """For the speculation rule: (a, b) of the decode step's cost a + b·rows on this machine,
+        from 8 decode steps of one row and 8 of up to 32, every row attending to a 256-token
+        context (a draft row's cost is its products and its attention); spec_policy.py says why
+        the rule needs it. The 256 prompt tokens are computed once: the other requests find them
+        in the prefix cache. ~0.7 s at start-up, only with adaptive speculation; None where it
+        cannot be measured."""
+        ctx = min(256, self.max_model_len - 10)
+        block = self.cache_config.block_size
+        rows = min(self.scheduler_config.max_num_seqs, 32, (self.num_blocks - ctx // block - 1) // 2)
+        if rows < 4 or ctx < 16 or not self.cache_config.enable_prefix_caching:
+            return None
+        vocab = self.model_config.vocab_size
+        prompt = [(31 * j + 7) % vocab for j in range(ctx)]
+        params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+        steps: list[tuple[int, float]] = []
+
+        def record(so: SchedulerOutput, ro: ModelRunnerOutput) -> None:
+            if all(len(s.token_ids) == 1 + s.num_draft_tokens for s in so.scheduled):  # decode-only
+                steps.append((so.num_scheduled_tokens, ro.step_time))
+
+        observer, self.step_observer = self.step_observer, record
+        try:
+            for n in (1, rows):
+                for i in range(n):
+                    self.add_request(f"inferlab-warm-up-{n}-{i}", prompt, params)
+                while self.has_unfinished_requests():
+                    self.step()
+        finally:
+            self.step_observer = observer
+        cost = measured_step_cost(steps)
+        if cost is not None:
+            logger.info("speculation: a decode step of T rows costs %.1f ms + %.2f ms x T here (measured at start-up: "
+                        "decode steps of 1 and %d rows, %d-token contexts)", cost[0] * 1e3, cost[1] * 1e3, rows, ctx)
+        return cost
+
+    def _new_scheduler(self, step_cost: tuple[float, float] | None = None) -> Scheduler:
         if self.draft_proposer is not None:
             self.draft_proposer.reset()
         return Scheduler(self.scheduler_config, self.cache_config, self.num_blocks,
-                         speculative_config=self.speculative_config, proposer=self.draft_proposer)
+                         speculative_config=self.speculative_config, proposer=self.draft_proposer,
+                         step_cost=step_cost)
 
     @property
     def vocab_size(self) -> int:

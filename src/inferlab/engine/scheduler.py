@@ -77,7 +77,10 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         speculative_config: SpeculativeConfig | None = None,
         proposer: Proposer | None = None,
+        step_cost: tuple[float, float] | None = None,
     ) -> None:
+        """`step_cost`: (a, b) of the decode step's a + b·rows measured by the engine at start-up,
+        for the speculation rule (engine/spec_policy.py); None: its prior."""
         if scheduler_config.max_model_len is None:
             raise ValueError("the scheduler needs a resolved max_model_len (LLMEngine sets it from the model)")
         self.config = scheduler_config
@@ -102,6 +105,8 @@ class Scheduler:
             # A proposer that is not a model drafts for the price of a search: probe in shadow.
             self.policy = SpecPolicy(speculative_config.num_speculative_tokens,
                                      shadow_probes=speculative_config.method != "draft_model")
+            if step_cost is not None:
+                self.policy.base_cost, self.policy.row_cost_ratio = step_cost[0], step_cost[1] / step_cost[0]
         self.spec_stats = SpecDecodeStats()  # cumulative
 
     # ------------------------------------------------------------------ requests in and out

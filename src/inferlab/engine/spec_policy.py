@@ -6,10 +6,15 @@ expected to add outweigh the time they add. The rule, with measured numbers:
 
 - the step cost: t(T) = a + b·T for a decode step of T rows (the decodes and their drafts),
   fitted by exponentially weighted least squares over the engine's own decode steps (prefill
-  steps are left out: a prompt token costs more than a decode row); before enough spread in T
-  is seen, b = a / 16 (on a CPU one more row of a small batch costs little next to streaming
-  the weights once). b is the verify cost of a draft: a row through every layer, the lm_head
-  and the sampler;
+  steps are left out: a prompt token costs more than a decode row). A slope needs rows that
+  vary (a standard deviation of at least a quarter of their mean). While they do not (32
+  streams in lock step: every step 32 rows, a few more when drafts ride along), a is the fixed
+  part the engine measured at start-up (llm_engine.py `_measure_step_cost`: decode steps of 1
+  and of up to 32 rows) and b what the measured steps cost beyond it per row, their real
+  contexts' attention included, never below the start-up b / a. Before, b / a was a prior 1/16
+  (a Zen 5's): on a 2-core Zen 4 a row costs ~1/8 of a (8 ms + 1.05 ms x 32 rows at 280-token
+  contexts), 32 rows looked cheap, and drafts at 32 streams kept 89% of the time lost 2%. b is
+  the verify cost of a draft: a row through every layer, the lm_head and the sampler;
 - the proposal cost c per draft token: the proposer's measured time over the drafts it made
   (so a proposer that is asked often and finds little is charged for its misses);
 - a request's acceptance per position: α_j, the chance draft j is kept given drafts 1..j-1
@@ -44,7 +49,9 @@ follows a reply that turns to copying (else a low start would never be revised).
 that is not a model (n-gram, suffix) a probe is a *shadow*: K drafts are proposed but not
 scheduled, and checked against the tokens the request then decodes: the verdict a verification
 would give (greedy exactly; sampled, a draft matches with probability p(draft), the rejection
-rule's acceptance) at no row's cost, only the proposer's. Shadows come every PROBE_EVERY-th step.
+rule's acceptance) at no row's cost, only the proposer's. Shadows come every PROBE_EVERY-th step,
+less often where the proposer's measured time would take more than PROBE_SHARE of the step (up to
+every PROBE_MAX-th: 32 streams with suffix decoding).
 A draft model's probe is one real draft (its proposal is a model pass either way), spaced so
 that probes cost at most PROBE_SHARE of the step time (every PROBE_EVERY-th step at one stream)
 but come at least every PROBE_MAX-th step (the 64th at 32 streams). A new request's first probe
@@ -59,9 +66,11 @@ Pure Python, no torch, no clock: the scheduler feeds it step times and verdicts.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 
-PRIOR_ROW_COST = 1 / 16  # b / a before measurements
+PRIOR_ROW_COST = 1 / 16  # b / a before anything is measured
+SPREAD = 0.25  # a slope is fitted once the rows' standard deviation is this share of their mean
 PRIOR_WEIGHT = 2.0  # trials the engine-wide acceptance counts for in a new request's estimate
 DECAY = 0.98  # weight of the past per observed step in the cost fit
 PROBE_EVERY = 16  # a request kept from drafting is probed every this many steps (shadows: exactly)
@@ -69,6 +78,27 @@ PROBE_SHARE = 0.005  # ... and at most this share of the step time goes to probe
 PROBE_MAX = 64  # ... but at least once in a reply of this many tokens
 TOTAL_DECAY = 0.995  # weight of the past per verdict in the engine-wide acceptance (the prior)
 MARGIN = 0.2  # drafts must add tokens at (1 + MARGIN) x the step's own rate
+
+
+def measured_step_cost(steps: list[tuple[int, float]]) -> tuple[float, float] | None:
+    """(a, b) of t(T) = a + b·T through two groups of decode steps (rows, seconds), the smaller
+    and the larger half of the row counts seen, each taken at its median step time and mean rows
+    (medians: a few steps at start-up, and one slow one must not set the rule for good). None
+    when the rows do not spread or the line is not a + b·T with a, b > 0."""
+    if not steps:
+        return None
+    mid = (min(r for r, _ in steps) + max(r for r, _ in steps)) / 2
+    low = [(r, t) for r, t in steps if r < mid]
+    high = [(r, t) for r, t in steps if r >= mid]
+    if not low or not high:
+        return None
+    r1, t1 = statistics.mean(r for r, _ in low), statistics.median(t for _, t in low)
+    r2, t2 = statistics.mean(r for r, _ in high), statistics.median(t for _, t in high)
+    if r2 - r1 < 1:
+        return None
+    b = (t2 - t1) / (r2 - r1)
+    a = t1 - b * r1
+    return (a, b) if a > 0 and b > 0 else None
 
 
 @dataclass
@@ -97,6 +127,8 @@ class _Acceptance:
 class SpecPolicy:
     k: int
     shadow_probes: bool = False  # probes proposed and checked against the decoded tokens, not verified
+    row_cost_ratio: float = PRIOR_ROW_COST  # b / a while the rows do not vary: start-up's, then each fit's
+    base_cost: float | None = None  # a in seconds, measured at start-up (see _fit)
     # Exponentially weighted sums for the least-squares fit of step time on rows.
     _w: float = 0.0
     _x: float = 0.0
@@ -181,18 +213,26 @@ class SpecPolicy:
         return self._cost
 
     def _fit(self) -> tuple[float, float]:
+        r = self.row_cost_ratio
         if self._w <= 0:
-            return 1.0, PRIOR_ROW_COST
+            return 1.0, r
         mx, my = self._x / self._w, self._y / self._w
         var = self._xx / self._w - mx * mx
-        if var > 0.25:  # rows varied enough to fit a slope
+        if var > max(0.25, (SPREAD * mx) ** 2):  # rows varied enough to fit a slope
             b = (self._xy / self._w - mx * my) / var
             a = my - b * mx
             if a > 0 and b >= 0:
                 b = min(max(b, a / 1000), a)
+                self.row_cost_ratio = b / a
                 return a, b
-        a = my / (1 + PRIOR_ROW_COST * mx)
-        return a, a * PRIOR_ROW_COST
+        if self.base_cost is not None:
+            # The fixed part (the weights read once) hardly moves with the contexts; what the rows
+            # at this batch cost beyond it is what the steps measure, real contexts included (a
+            # start-up measure attends to short shared ones). Never below the measured ratio.
+            b = max((my - self.base_cost) / mx, r * self.base_cost)
+            return max(my - b * mx, self.base_cost / 10), b
+        a = my / (1 + r * mx)
+        return a, a * r
 
     def proposal_cost(self) -> float:
         """Seconds per draft token made (0 until measured)."""
@@ -233,6 +273,19 @@ class SpecPolicy:
         s = a + b * max(batch, 1)
         return min(PROBE_MAX, max(PROBE_EVERY, math.ceil(max(batch, 1) * b / (PROBE_SHARE * s))))
 
+    def shadow_every(self, batch: int) -> int:
+        """Steps between shadow probes: at least PROBE_EVERY, and so many that the batch's
+        shadows (K drafts proposed each, at the proposer's measured cost per draft) take at most
+        PROBE_SHARE of S, up to PROBE_MAX. At 32 streams a suffix search (~0.1 ms a draft here)
+        every 16th step was ~1% of the step for nothing: there drafts pay only when nearly all
+        are kept, and a copy found 64 steps later still has most of its reply ahead."""
+        if self._w <= 0:
+            return PROBE_EVERY
+        a, b = self.step_cost()
+        s = a + b * max(batch, 1)
+        per_probe = self.k * self.proposal_cost()
+        return min(PROBE_MAX, max(PROBE_EVERY, math.ceil(max(batch, 1) * per_probe / (PROBE_SHARE * s))))
+
     # ------------------------------------------------------------------ the rule
 
     def plan(self, request_id: str, batch: int, prefill: bool = False) -> tuple[int, bool]:
@@ -247,7 +300,7 @@ class SpecPolicy:
             return k, False
         if prefill and not self.shadow_probes:
             return 0, False
-        every = PROBE_EVERY if self.shadow_probes else self.probe_every(batch)
+        every = self.shadow_every(batch) if self.shadow_probes else self.probe_every(batch)
         n = self.skipped.get(request_id)
         if n is None:  # a new request: probes staggered over the interval, not all at once
             n, self._arrivals = self._arrivals % every, self._arrivals + 1
