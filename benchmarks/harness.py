@@ -69,6 +69,15 @@ def wait_ready(proc: subprocess.Popen, base: str, timeout_s: float, log_path: Pa
         time.sleep(0.05)
 
 
+def unwind_on_sigterm() -> None:
+    """SIGTERM (`timeout`, a killed parent job) unwinds like Ctrl-C, so every `finally` stops its
+    server: by default Python dies on it at once and leaves the servers running (or frozen)."""
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
     """SIGTERM the server's whole process group (vLLM runs its engine in a child), then SIGKILL
     whatever is left; returns only when no process of the group remains."""

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import spec_decode_vllm as peer
+from harness import unwind_on_sigterm
 
 from inferlab import LLM, SamplingParams
 from inferlab.engine.request import RequestOptions
@@ -447,6 +448,7 @@ def main() -> None:
                     help="comma-separated stream counts also measured by paired steps in the same run, after "
                          "the whole turns (and after vLLM's servers have stopped)")
     args = ap.parse_args()
+    unwind_on_sigterm()  # `timeout` must not leave vLLM's servers behind, frozen
     if args.paired_steps and args.vllm:
         ap.error("--paired-steps times our engines' own steps; --vllm belongs to the turn measure")
     if args.paired_steps and args.paired_streams:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import signal
 import sys
 import tempfile
 import time
@@ -12,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from harness import unwind_on_sigterm
 
 import side_by_side
 from side_by_side.floors import decode_floors, measure_bandwidth
@@ -129,13 +130,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         raise ValueError("nothing to run: give --workloads or --sweep")
     return args
 
-
-def _terminate_on_sigterm() -> None:
-    """SIGTERM (e.g. a killed parent job) unwinds like Ctrl-C, so every `finally` stops its server."""
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, handler)
 
 
 @dataclass
@@ -288,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     estimate = print_plan(plan, args)
     if args.dry_run:
         return 0
-    _terminate_on_sigterm()
+    unwind_on_sigterm()
     with contextlib.ExitStack() as stack:
         if args.work_dir is None:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="side_by_side-")))
