@@ -269,22 +269,20 @@ class SpecPolicy:
         """Steps between probes of a request kept from drafting: at least PROBE_EVERY, and so
         many that the batch's probes (batch / n rows a step) cost at most PROBE_SHARE of S, up
         to PROBE_MAX (a request that never probes would live on the prior alone)."""
-        a, b = self.step_cost()
-        s = a + b * max(batch, 1)
-        return min(PROBE_MAX, max(PROBE_EVERY, math.ceil(max(batch, 1) * b / (PROBE_SHARE * s))))
+        return self._spaced(batch, self.step_cost()[1])
 
     def shadow_every(self, batch: int) -> int:
-        """Steps between shadow probes: at least PROBE_EVERY, and so many that the batch's
-        shadows (K drafts proposed each, at the proposer's measured cost per draft) take at most
-        PROBE_SHARE of S, up to PROBE_MAX. At 32 streams a suffix search (~0.1 ms a draft here)
-        every 16th step was ~1% of the step for nothing: there drafts pay only when nearly all
-        are kept, and a copy found 64 steps later still has most of its reply ahead."""
-        if self._w <= 0:
-            return PROBE_EVERY
+        """Steps between shadow probes: the same spacing for what a shadow costs, K drafts
+        proposed at the proposer's measured cost per draft (no row). At 32 streams a suffix
+        search (~0.1 ms a draft here) every 16th step was ~1% of the step for nothing: there
+        drafts pay only when nearly all are kept, and a copy found 64 steps later still has most
+        of its reply ahead."""
+        return self._spaced(batch, self.k * self.proposal_cost()) if self._w > 0 else PROBE_EVERY
+
+    def _spaced(self, batch: int, probe_seconds: float) -> int:
         a, b = self.step_cost()
         s = a + b * max(batch, 1)
-        per_probe = self.k * self.proposal_cost()
-        return min(PROBE_MAX, max(PROBE_EVERY, math.ceil(max(batch, 1) * per_probe / (PROBE_SHARE * s))))
+        return min(PROBE_MAX, max(PROBE_EVERY, math.ceil(max(batch, 1) * probe_seconds / (PROBE_SHARE * s))))
 
     # ------------------------------------------------------------------ the rule
 
