@@ -61,7 +61,7 @@ def test_with_rows_that_never_vary_the_start_up_measure_sets_the_row_cost():
         if base_cost is not None:
             p.base_cost, p.row_cost_ratio = base_cost, 1 / 12
         for _ in range(50):
-            p.observe_step(32, 0.0416)  # 8 ms + 1.05 ms x 32: a 2-core Zen 4 at 280-token contexts
+            p.observe_step(32, 0.0416)  # 8 ms + 1.05 ms x 32: a 2-core Zen 4 at ~250-token contexts
         accepting(p, "r", 0.89)
         return p
 

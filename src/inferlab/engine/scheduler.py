@@ -51,7 +51,7 @@ from inferlab.engine.outputs import (
 )
 from inferlab.engine.request import Request, RequestStatus, TokenLogprobs
 from inferlab.engine.spec_decode import Proposer, SpecDecodeStats
-from inferlab.engine.spec_policy import SpecPolicy
+from inferlab.engine.spec_policy import PRIOR_ROW_COST, SpecPolicy
 from inferlab.engine.suffix_proposer import SuffixProposer
 
 
@@ -103,10 +103,10 @@ class Scheduler:
         self.policy: SpecPolicy | None = None
         if speculative_config is not None and speculative_config.adaptive:
             # A proposer that is not a model drafts for the price of a search: probe in shadow.
+            a, b = step_cost or (None, None)
             self.policy = SpecPolicy(speculative_config.num_speculative_tokens,
-                                     shadow_probes=speculative_config.method != "draft_model")
-            if step_cost is not None:
-                self.policy.base_cost, self.policy.row_cost_ratio = step_cost[0], step_cost[1] / step_cost[0]
+                                     shadow_probes=speculative_config.method != "draft_model",
+                                     row_cost_ratio=b / a if a and b else PRIOR_ROW_COST, base_cost=a)
         self.spec_stats = SpecDecodeStats()  # cumulative
 
     # ------------------------------------------------------------------ requests in and out

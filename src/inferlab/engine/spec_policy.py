@@ -12,7 +12,7 @@ expected to add outweigh the time they add. The rule, with measured numbers:
   part the engine measured at start-up (llm_engine.py `_measure_step_cost`: decode steps of 1
   and of up to 32 rows) and b what the measured steps cost beyond it per row, their real
   contexts' attention included, never below the start-up b / a. Before, b / a was a prior 1/16
-  (a Zen 5's): on a 2-core Zen 4 a row costs ~1/8 of a (8 ms + 1.05 ms x 32 rows at 280-token
+  (a Zen 5's): on a 2-core Zen 4 a row costs ~1/8 of a (8 ms + 1.05 ms x 32 rows at ~250-token
   contexts), 32 rows looked cheap, and drafts at 32 streams kept 89% of the time lost 2%. b is
   the verify cost of a draft: a row through every layer, the lm_head and the sampler;
 - the proposal cost c per draft token: the proposer's measured time over the drafts it made
