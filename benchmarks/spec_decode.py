@@ -28,16 +28,21 @@ from its earlier reply, not from the prompt).
 --paired-steps is the finer measure of "speculation at 32 streams is no slower than plain
 decoding": whole turns seconds apart swing ±10% against each other on a noisy host. Instead,
 plain decoding and one method's engine get the same requests (the same chat-templated prompts,
-greedy) and single `engine.step()` calls alternate between them until both have finished, so a
-burst of host load lands on both alike, within a step of each other; each engine's rate is its
-output tokens over its own summed step seconds (no HTTP, no client, not the other engine's
+greedy) and single `engine.step()` calls alternate between them until both have finished (rounds
+in ABBA order), so a burst of host load lands on both alike, within a step of each other; each
+engine's rate is its output tokens over its own summed step seconds (no HTTP, no client, not the other engine's
 steps). Which engine steps first flips every other turn. Per workload, streams and method it
 prints the median of the turns' spec/plain ratios, the ratio of the summed totals, each
 engine's step count, and whether the greedy token ids were identical (--json: "paired_steps").
+In one process, though, each engine's weights and KV pool stay where they were placed, and on a
+VM two copies of the same weights can read at speeds that differ by a few percent for the whole
+process (plain against plain, "--methods control": up to 1.03 at 32 streams). --paired-processes
+N runs the paired measure in N fresh processes one after the other and pools their turns (the
+ratio: the median of every turn's; each process's own median beside it).
 
     .venv/bin/python benchmarks/spec_decode.py [--model PATH] [--k 4] [--methods ngram,suffix]
         [--draft-model PATH] [--streams 1,32] [--runs 3] [--max-tokens 96] [--always] [--vllm] [--json]
-        [--paired-steps | --paired-streams 32]
+        [--paired-steps | --paired-streams 32] [--paired-processes 3]
 
 A smoke run (minutes, a loaded machine's figures are not speeds):
     .venv/bin/python benchmarks/spec_decode.py --runs 1 --streams 1,4 --workloads copy,chat --max-tokens 24 --vllm
@@ -50,6 +55,8 @@ import contextlib
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -189,22 +196,32 @@ def one_turn(llm: LLM, conversations: list[list[dict]], params: SamplingParams) 
     return sum(len(t) - 1 for t in ids) / (last - first), ids
 
 
-def per_position(before, after) -> list[float]:
-    acc = [a - (before.spec_accepted_per_pos[j] if j < len(before.spec_accepted_per_pos) else 0)
-           for j, a in enumerate(after.spec_accepted_per_pos)]
-    dra = [d - (before.spec_drafted_per_pos[j] if j < len(before.spec_drafted_per_pos) else 0)
-           for j, d in enumerate(after.spec_drafted_per_pos)]
-    return [a / d if d else 0.0 for a, d in zip(acc, dra)]
+def spec_counts(before, after) -> dict:
+    """A speculative engine's drafting between two `get_stats()` snapshots, as counts (what the
+    rows' rates are made of, so that rows of several processes can be merged exactly)."""
+    def per_pos(b: list, a: list) -> list:
+        return [x - (b[j] if j < len(b) else 0) for j, x in enumerate(a)]
+
+    return {"drafts": after.spec_num_drafts - before.spec_num_drafts,
+            "draft_tokens": after.spec_num_draft_tokens - before.spec_num_draft_tokens,
+            "accepted": after.spec_num_accepted_tokens - before.spec_num_accepted_tokens,
+            "accepted_per_pos": per_pos(before.spec_accepted_per_pos, after.spec_accepted_per_pos),
+            "drafted_per_pos": per_pos(before.spec_drafted_per_pos, after.spec_drafted_per_pos)}
+
+
+def rates(counts: dict) -> dict:
+    """The rows' acceptance figures from `spec_counts`' counts (the counts kept beside them)."""
+    drafts, draft_tokens, accepted = counts["drafts"], counts["draft_tokens"], counts["accepted"]
+    return {"mean_accepted_length": 1 + accepted / drafts if drafts else 1.0,
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+            "drafted_steps": drafts,
+            "accept_per_pos": [a / d if d else 0.0 for a, d in zip(counts["accepted_per_pos"], counts["drafted_per_pos"])],
+            "counts": counts}
 
 
 def acceptance(before, after) -> dict:
     """A speculative engine's drafting between two `get_stats()` snapshots, as the rows hold it."""
-    drafts = after.spec_num_drafts - before.spec_num_drafts
-    draft_tokens = after.spec_num_draft_tokens - before.spec_num_draft_tokens
-    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
-    return {"mean_accepted_length": 1 + accepted / drafts if drafts else 1.0,
-            "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
-            "drafted_steps": drafts, "accept_per_pos": per_position(before, after)}
+    return rates(spec_counts(before, after))
 
 
 def build_engines(args: argparse.Namespace, methods: list[str], kw: dict) -> dict[str, LLM]:
@@ -349,13 +366,17 @@ def step_once(run: Stepped) -> None:
 
 
 def paired_turn(first: LLM, second: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[Stepped, Stepped]:
-    """Both engines get the same requests, then single steps alternate, `first`'s before
-    `second`'s, until both have finished: a load change lands on both within a step or two."""
+    """Both engines get the same requests, then single steps alternate until both have finished:
+    a load change lands on both within a step or two. Rounds go first, second / second, first
+    (ABBA): with plain alternation the engine that stepped first in a turn read 1-2% slower over
+    a whole turn, so which one starts decided a 32-stream cell's last percent."""
     runs = (enqueue(first, prompts, params), enqueue(second, prompts, params))
+    rounds = 0
     while not all(r.finished for r in runs):
-        for r in runs:
+        for r in runs if rounds % 2 == 0 else runs[::-1]:
             if not r.finished:
                 step_once(r)
+        rounds += 1
     return runs
 
 
@@ -405,22 +426,102 @@ def run_paired(args: argparse.Namespace, engines: dict[str, LLM], streams_list: 
     return rows
 
 
+def paired_in_processes(args: argparse.Namespace, methods: list[str], streams_list: list[int]) -> list[dict]:
+    """--paired-processes N: the paired measure run in N fresh processes, one after the other, and
+    their rows merged (`merge_processes`). Why: in one process each engine's weights and KV pool sit
+    where they were placed once, and on this VM two copies of the same weights read at speeds that
+    differ by process (an A/A pair of plain engines: 1.00-1.11 at one stream, up to 1.03 at 32
+    streams, each consistent over its turns); a new process places them anew."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--paired-steps", "--json",
+            "--streams", ",".join(map(str, streams_list)), "--runs", str(args.runs),
+            "--methods", ",".join(m for m in methods if m != "draft_model"), "--workloads", args.workloads,
+            "--k", str(args.k), "--max-n", str(args.max_n), "--min-n", str(args.min_n),
+            "--max-tokens", str(args.max_tokens), "--kv-cache-memory", str(args.kv_cache_memory)]
+    argv += (["--model", args.model] if args.model else []) + (["--draft-model", args.draft_model] if args.draft_model else [])
+    argv += ["--always"] if args.always else []
+    per_process = []
+    for i in range(args.paired_processes):
+        print(f"paired steps, process {i + 1} of {args.paired_processes}", flush=True)
+        result = None
+        with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) as child:
+            try:
+                assert child.stdout is not None
+                for line in child.stdout:
+                    if line.startswith('{"specs"'):
+                        result = json.loads(line)
+                    elif line.startswith("  "):  # the cells' progress lines; the child's tables are merged below
+                        print(line, end="", flush=True)
+            finally:
+                if child.poll() is None:
+                    child.terminate()
+        if child.returncode or result is None:
+            raise RuntimeError(f"the paired measure's process {i + 1} failed (exit {child.returncode}): {' '.join(argv)}")
+        per_process.append(result["paired_steps"])
+    return merge_processes(per_process)
+
+
+def merge_processes(per_process: list[list[dict]]) -> list[dict]:
+    """Each process's rows, those of one workload x streams x method merged (`merge_rows`)."""
+    groups: dict[tuple, list[dict]] = {}
+    for rows in per_process:
+        for r in rows:
+            groups.setdefault((r["workload"], r["streams"], r["method"]), []).append(r)
+    return [merge_rows(rs) for rs in groups.values()]
+
+
+def merge_rows(rs: list[dict]) -> dict:
+    """One workload x streams x method's rows from several processes as one: the ratio is the
+    median of every turn's, "process_ratios" each process's own median; tokens, seconds and steps
+    summed, acceptance from the summed counts; identical only if every process's was."""
+    def total(key: str) -> float:
+        return sum(r[key] for r in rs)
+
+    def pos_sum(key: str) -> list[int]:
+        n = max(len(r["counts"][key]) for r in rs)
+        return [sum(r["counts"][key][j] for r in rs if j < len(r["counts"][key])) for j in range(n)]
+
+    counts: dict = {k: sum(r["counts"][k] for r in rs) for k in ("drafts", "draft_tokens", "accepted")}
+    counts.update({k: pos_sum(k) for k in ("accepted_per_pos", "drafted_per_pos")})
+    turns = [x for r in rs for x in r["turn_ratios"]]
+    return {
+        "workload": rs[0]["workload"], "streams": rs[0]["streams"], "method": rs[0]["method"],
+        "base_tokens": total("base_tokens"), "spec_tokens": total("spec_tokens"),
+        "base_tok_s": statistics.median(r["base_tok_s"] for r in rs),
+        "spec_tok_s": statistics.median(r["spec_tok_s"] for r in rs),
+        "ratio": statistics.median(turns), "turn_ratios": turns, "process_ratios": [r["ratio"] for r in rs],
+        "total_ratio": (total("spec_tokens") / total("spec_seconds")) / (total("base_tokens") / total("base_seconds")),
+        "base_seconds": total("base_seconds"), "spec_seconds": total("spec_seconds"),
+        "base_steps": total("base_steps"), "spec_steps": total("spec_steps"),
+        **rates(counts), "identical": all(r["identical"] for r in rs),
+    }
+
+
 def print_paired(rows: list[dict]) -> None:
-    """The --paired-steps rows: aligned, then as a Markdown table."""
+    """The --paired-steps rows: aligned, then as a Markdown table (with --paired-processes, each
+    process's own median ratio beside the pooled one)."""
+    procs = any("process_ratios" in r for r in rows)
+
+    def per_process(r: dict, sep: str) -> str:
+        return sep.join(f"{x:.2f}" for x in r.get("process_ratios", []))
+
     print("paired steps: tok/s = an engine's output tokens over its own summed step() seconds; ratio = median of "
-          "the turns' spec/plain; total = the ratio of the summed totals; steps = summed over the measured turns")
+          "the turns' spec/plain" + (" (every process's turns)" if procs else "") + "; total = the ratio of the "
+          "summed totals; steps = summed over the measured turns")
     print(f"{'workload':8} {'streams':>7} {'method':11} {'out':>6} {'base tok/s':>10} {'spec tok/s':>10} {'ratio':>6} "
-          f"{'total':>6} {'base steps':>10} {'spec steps':>10} {'acc len':>7}  identical")
+          f"{'total':>6} {'base steps':>10} {'spec steps':>10} {'acc len':>7}  identical" + ("  per process" if procs else ""))
     for r in rows:
         print(f"{r['workload']:8} {r['streams']:>7} {r['method']:11} {r['base_tokens']:>6} {r['base_tok_s']:>10.1f} "
               f"{r['spec_tok_s']:>10.1f} {r['ratio']:>6.2f} {r['total_ratio']:>6.2f} {r['base_steps']:>10} "
-              f"{r['spec_steps']:>10} {r['mean_accepted_length']:>7.2f}  {r['identical']}")
+              f"{r['spec_steps']:>10} {r['mean_accepted_length']:>7.2f}  {str(r['identical']):9}" +
+              (f"  {per_process(r, ' ')}" if procs else ""))
     print("\n| workload | streams | method | base tok/s | spec tok/s | ratio (median) | ratio (totals) | base steps "
-          "| spec steps | mean accepted length | identical |\n|---|---|---|---|---|---|---|---|---|---|---|")
+          "| spec steps | mean accepted length | identical |" + (" ratio per process |" if procs else "") +
+          "\n|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if procs else ""))
     for r in rows:
         print(f"| {r['workload']} | {r['streams']} | {r['method']} | {r['base_tok_s']:.1f} | {r['spec_tok_s']:.1f} "
               f"| {r['ratio']:.2f} | {r['total_ratio']:.2f} | {r['base_steps']} | {r['spec_steps']} "
-              f"| {r['mean_accepted_length']:.2f} | {'yes' if r['identical'] else 'no'} |")
+              f"| {r['mean_accepted_length']:.2f} | {'yes' if r['identical'] else 'no'} |" +
+              (f" {per_process(r, ', ')} |" if procs else ""))
 
 
 def main() -> None:
@@ -447,12 +548,19 @@ def main() -> None:
     ap.add_argument("--paired-streams", default="",
                     help="comma-separated stream counts also measured by paired steps in the same run, after "
                          "the whole turns (and after vLLM's servers have stopped)")
+    ap.add_argument("--paired-processes", type=int, default=1,
+                    help="run the paired measure in this many fresh processes, one after the other, and pool their "
+                         "turns (each process places its engines' memory anew: see paired_in_processes)")
     args = ap.parse_args()
     unwind_on_sigterm()  # `timeout` must not leave vLLM's servers behind, frozen
     if args.paired_steps and args.vllm:
         ap.error("--paired-steps times our engines' own steps; --vllm belongs to the turn measure")
     if args.paired_steps and args.paired_streams:
         ap.error("--paired-streams adds paired steps to the turn measure; --paired-steps already pairs every stream count")
+    if args.paired_processes < 1:
+        ap.error("--paired-processes must be at least 1")
+    if args.paired_processes > 1 and not (args.paired_steps or args.paired_streams):
+        ap.error("--paired-processes repeats the paired measure: give --paired-steps or --paired-streams")
     if args.runs < 1 or args.max_tokens < 1:
         ap.error("--runs and --max-tokens must be at least 1 (medians of runs, tokens per turn)")
     methods = [m for m in args.methods.split(",") if m]
@@ -462,21 +570,26 @@ def main() -> None:
     paired_list = stream_counts(ap, "--paired-streams", args.paired_streams) if args.paired_streams else []
     kw = {"kv_cache_memory": args.kv_cache_memory, "max_num_seqs": max(streams_list + paired_list)}
     notes: list[str] = []
-    engines = build_engines(args, methods, kw)
+    fresh = args.paired_processes > 1  # the paired measure in processes of its own
+    engines = {} if fresh and args.paired_steps else build_engines(args, methods, kw)
     load0, t_start = os.getloadavg()[0], time.monotonic()
     rows: list[dict] = []
     paired: list[dict] = []
     if args.paired_steps:
-        paired = run_paired(args, engines, streams_list)
+        paired = paired_in_processes(args, methods, streams_list) if fresh else run_paired(args, engines, streams_list)
     else:
         with contextlib.ExitStack() as stack:
             vllm = start_vllm(args, max(streams_list), stack, notes)
             rows = run_all(args, engines, streams_list, vllm)
-        if paired_list:
+        if paired_list and fresh:
+            engines.clear()  # their memory back before the fresh processes load theirs
+            paired = paired_in_processes(args, methods, paired_list)
+        elif paired_list:
             paired = run_paired(args, engines, paired_list)
     load1 = os.getloadavg()[0]
     specs = {m: spec_config(m, args) for m in methods}
-    print(f"speculative configs {json.dumps(specs)}; medians of {args.runs}; {time.monotonic() - t_start:.0f} s; "
+    over = f" (paired: {args.runs} turns in each of {args.paired_processes} processes)" if args.paired_processes > 1 else ""
+    print(f"speculative configs {json.dumps(specs)}; medians of {args.runs}{over}; {time.monotonic() - t_start:.0f} s; "
           f"load average {load0:.1f} -> {load1:.1f} on {os.cpu_count()} CPUs")
     for note in notes:
         print(note)

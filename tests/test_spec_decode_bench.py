@@ -1,0 +1,48 @@
+"""benchmarks/spec_decode.py: the paired measure's rows from several processes merge exactly."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from spec_decode import merge_processes, rates  # noqa: E402
+
+
+def _row(method: str, turns: list[float], seconds: tuple[float, float], counts: dict, identical: bool = True) -> dict:
+    base_s, spec_s = seconds
+    return {"workload": "copy", "streams": 32, "method": method, "base_tokens": 100, "spec_tokens": 100,
+            "base_tok_s": 100 / base_s, "spec_tok_s": 100 / spec_s, "ratio": sorted(turns)[len(turns) // 2],
+            "turn_ratios": turns, "total_ratio": base_s / spec_s, "base_seconds": base_s, "spec_seconds": spec_s,
+            "base_steps": 10, "spec_steps": 8, **rates(counts), "identical": identical}
+
+
+def _counts(drafts: int, accepted_per_pos: list[int], drafted_per_pos: list[int]) -> dict:
+    return {"drafts": drafts, "draft_tokens": sum(drafted_per_pos), "accepted": sum(accepted_per_pos),
+            "accepted_per_pos": accepted_per_pos, "drafted_per_pos": drafted_per_pos}
+
+
+def test_turns_are_pooled_and_counts_summed() -> None:
+    one = _row("ngram", [0.97, 0.98, 0.99], (1.0, 1.0), _counts(4, [4, 3], [4, 4]))
+    two = _row("ngram", [1.04, 1.05, 1.06], (1.0, 0.5), _counts(6, [6, 6, 2], [6, 6, 6]), identical=False)
+    (merged,) = merge_processes([[one], [two]])
+    assert merged["ratio"] == pytest.approx((0.99 + 1.04) / 2)  # the median of all six turns, not of two medians
+    assert merged["process_ratios"] == [0.98, 1.05]
+    assert merged["total_ratio"] == pytest.approx((200 / 1.5) / (200 / 2.0))
+    assert (merged["base_tokens"], merged["base_steps"], merged["spec_steps"]) == (200, 20, 16)
+    # Acceptance from the summed counts: position 3 only ever drafted in the second process.
+    assert merged["drafted_steps"] == 10
+    assert merged["accept_per_pos"] == pytest.approx([10 / 10, 9 / 10, 2 / 6])
+    assert merged["mean_accepted_length"] == pytest.approx(1 + 21 / 10)
+    assert merged["acceptance_rate"] == pytest.approx(21 / 26)
+    assert merged["identical"] is False  # one process's tokens differed
+
+
+def test_rows_of_different_cells_stay_apart() -> None:
+    rows = [_row(m, [1.0], (1.0, 1.0), _counts(0, [], [])) for m in ("control", "suffix")]
+    merged = merge_processes([rows, rows])
+    assert [r["method"] for r in merged] == ["control", "suffix"]
+    assert all(r["process_ratios"] == [1.0, 1.0] and r["drafted_steps"] == 0 for r in merged)
