@@ -8,7 +8,8 @@ from inferlab.engine.block_pool import BlockPool, FreeBlockQueue, KVBlock
 
 
 def free_ids(pool: BlockPool) -> list[int]:
-    return [b.block_id for b in pool.free_block_queue]
+    """Free blocks in the order new ones are taken."""
+    return [b.block_id for b in pool.free_order()]
 
 
 def test_new_pool_is_all_free_in_id_order():
@@ -38,17 +39,49 @@ def test_get_new_blocks_more_than_free_raises_and_changes_nothing():
     pool.check_integrity()
 
 
-def test_free_appends_to_tail_least_recently_freed_first():
+def test_empty_blocks_are_taken_lowest_id_first_whatever_the_order_freed():
     pool = BlockPool(6)
     a = pool.get_new_blocks(3)  # 0 1 2
     b = pool.get_new_blocks(2)  # 3 4
-    pool.free_blocks(reversed(a))  # the scheduler's order: tail blocks first
-    assert free_ids(pool) == [5, 2, 1, 0]
-    pool.free_blocks(reversed(b))
-    assert free_ids(pool) == [5, 2, 1, 0, 4, 3]
-    # The next allocations take the least recently freed blocks: 5, then a's tail block.
-    assert [blk.block_id for blk in pool.get_new_blocks(2)] == [5, 2]
+    pool.free_blocks(reversed(b))  # the scheduler's order: tail blocks first
+    assert free_ids(pool) == [3, 4, 5]
+    pool.free_blocks(reversed(a))
+    assert free_ids(pool) == [0, 1, 2, 3, 4, 5]
+    # A new request's blocks are contiguous again (decode attention reads them in longer runs).
+    assert [blk.block_id for blk in pool.get_new_blocks(4)] == [0, 1, 2, 3]
     pool.check_integrity()
+
+
+def test_empty_blocks_go_before_any_cached_one_is_evicted():
+    pool = BlockPool(4)
+    a = pool.get_new_blocks(2)  # 0 1, cached
+    for i, blk in enumerate(a):
+        pool.cache_full_block(blk, 100 + i)
+    pool.free_blocks(reversed(a))
+    assert free_ids(pool) == [2, 3, 1, 0]  # empty ones first, then the cached ones LRU
+    assert [blk.block_id for blk in pool.get_new_blocks(2)] == [2, 3]
+    assert pool.cached_blocks.keys() == {100, 101}  # nothing evicted while an empty block was free
+    assert [blk.block_id for blk in pool.get_new_blocks(1)] == [1]  # then the tail block's prefix goes
+    assert pool.cached_blocks.keys() == {100}
+    pool.check_integrity()
+
+
+def test_uncache_and_reset_put_free_cached_blocks_back_among_the_empty():
+    pool = BlockPool(4)
+    blocks = pool.get_new_blocks(4)
+    for i, blk in enumerate(blocks):
+        pool.cache_full_block(blk, 10 + i)
+    pool.free_blocks(reversed(blocks))
+    assert free_ids(pool) == [3, 2, 1, 0]  # all cached: LRU order
+    pool.uncache(blocks[2])
+    assert free_ids(pool) == [2, 3, 1, 0]
+    pool.check_integrity()
+    assert pool.reset_prefix_cache() == 3
+    assert free_ids(pool) == [0, 1, 2, 3]
+    pool.check_integrity()
+    with pytest.raises(RuntimeError, match="only a cached block can be hit"):
+        pool.touch([blocks[0]])
+    assert pool.cache_full_block(blocks[0], 99) is False  # a free block is never cached
 
 
 def test_eviction_order_is_lru_and_a_requests_tail_blocks_go_first():
@@ -138,7 +171,7 @@ def test_duplicate_hash_leaves_second_block_uncached():
     assert second.block_hash is None
     # Evicting the uncached duplicate must not drop the cached one.
     pool.free_blocks([second, first])
-    pool.get_new_blocks(2)  # 2, then second
+    pool.get_new_blocks(2)  # the empty ones: second (1), then 2
     assert pool.get_cached_block(5) is first
     pool.check_integrity()
 

@@ -11,7 +11,8 @@ B = 4
 
 
 def free_ids(kv: KVCacheManager) -> list[int]:
-    return [b.block_id for b in kv.block_pool.free_block_queue]
+    """Free blocks in the order new ones are taken."""
+    return [b.block_id for b in kv.block_pool.free_order()]
 
 
 def allocate_prompt(kv: KVCacheManager, request) -> None:
@@ -144,7 +145,7 @@ def test_free_cached_hits_are_not_counted_as_allocatable():
     first = make_request("a", num_prompt_tokens=8)
     allocate_prompt(kv, first)  # blocks 0, 1 cached
     kv.free(first)
-    assert free_ids(kv) == [2, 3, 1, 0]  # tail block first
+    assert free_ids(kv) == [2, 3, 1, 0]  # the empty ones, then the cached ones: tail block first
     assert kv.num_free_blocks == 4
 
     # 8 shared + 9 new tokens = 5 blocks; 2 are hits, but touching them leaves 2 free, not 4.

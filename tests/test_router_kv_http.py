@@ -25,7 +25,7 @@ from inferlab.server.tenants import load_tenants
 def config(tmp_path_factory):
     path = make_tiny_hf_model(tmp_path_factory.mktemp("kv-events-tiny"), arch="llama")
     return EngineConfig(load=LoadConfig(model=str(path), dtype="float32"),
-                        cache=CacheConfig(block_size=16, num_blocks_override=40),
+                        cache=CacheConfig(block_size=16, num_blocks_override=24),  # small: the workload evicts
                         scheduler=SchedulerConfig(max_model_len=512), num_threads=1)  # fmt: skip
 
 

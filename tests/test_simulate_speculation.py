@@ -11,6 +11,7 @@ from inferlab.cli import main
 from inferlab.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from inferlab.plan.cost_model import ConstantCost, LinearCost
 from inferlab.plan.sim_report import simulation_report
+from inferlab.plan.sim_speculation import startup_step_cost
 from inferlab.plan.simulator import SimWorkload, simulate
 
 ALWAYS = SpeculativeConfig("ngram", 4, 4, 2, adaptive=False)
@@ -55,6 +56,18 @@ def test_the_engine_rule_drafts_at_one_stream_and_not_at_32_when_rows_are_dear()
     _, many = run((0.5,), num_prompts=32, output_len=64, spec=adaptive, cost=cost, concurrency=32)
     assert one.spec.num_drafts > 50
     assert many.spec.num_drafts < 0.02 * sum(len(t.token_times) for t in many.traces)
+
+
+def test_the_rule_starts_from_the_cost_models_step_cost():
+    # A GPU-like step: 20 ms plus 0.2 ms a row (b / a = 1/100). The engine would measure that at
+    # start-up; read off the cost model, drafts kept half the time pay at 32 streams too. With the
+    # rule's prior (a row at 1/16 of the step) they looked as dear as the tokens they may save.
+    cost = LinearCost(intercept_s=0.020, per_prefill_token_s=0.0005, per_decode_token_s=0.0002, per_context_token_s=0.0)
+    assert startup_step_cost(cost, 40, 32) == pytest.approx((0.020, 0.0002))
+    assert startup_step_cost(ConstantCost(0.010), 40, 32) is None  # no slope: the rule keeps its prior
+    adaptive = SpeculativeConfig("ngram", 4, 4, 2)
+    _, many = run((0.5,), num_prompts=32, output_len=64, spec=adaptive, cost=cost, concurrency=32)
+    assert many.spec.num_drafts > 0.3 * sum(len(t.token_times) for t in many.traces)
 
 
 def test_the_report_carries_the_bench_acceptance_figures():

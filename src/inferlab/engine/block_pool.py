@@ -1,15 +1,23 @@
-"""Fixed-size KV blocks: reference counts, the prefix-hash → block map and an O(1) LRU free list.
+"""Fixed-size KV blocks: reference counts, the prefix-hash → block map, and the free blocks:
+empty ones by id, cached ones in an O(1) LRU list.
 
 Pure Python, no torch: the pool only hands out block *ids*; the model runner owns the tensors.
 
 A block is in exactly one of three states:
 
-    in use        ref_cnt > 0                      not in the free list
-    cached, free  ref_cnt == 0, block_hash set     in the free list (evictable, still reusable on a hit)
-    free          ref_cnt == 0, block_hash None    in the free list
+    in use        ref_cnt > 0                      in neither
+    cached, free  ref_cnt == 0, block_hash set     in the LRU list (evictable, still reusable on a hit)
+    empty         ref_cnt == 0, block_hash None    in the empty heap
 
-The free list is ordered by when blocks were freed: the head is evicted first (least recently
-used), the tail last. A prefix-cache hit on a free block takes it out of the middle of the list.
+A new block is an empty one while there is one, the lowest id first; only then is a cached
+block evicted, the least recently freed first (the LRU list's head; a prefix-cache hit on a
+free block takes it out of the middle of the list). Why empty blocks first: evicting a cached
+prefix while an empty block is free loses a possible hit for nothing. Why the lowest id: a
+pool that handed out blocks in the order they were freed scattered a sequence's K/V through the
+whole pool after a few hundred requests, and decode attention reads it in 2 KiB runs (one per
+block and KV head): measured on a Zen 4, 32 streams of ~280-token contexts, two engines that
+had served the same 12 turns stepped in alternation, the one whose free blocks were put back in
+id order decoded 3% faster (6 turns' median 0.97 against 1.01 unsorted).
 
 With an `events` log (kv_events.py), every change of `cached_blocks` is also recorded there:
 a hash entering (stored), leaving by eviction or uncache (removed), or all of them (cleared).
@@ -17,6 +25,7 @@ a hash entering (stored), leaving by eviction or uncache (removed), or all of th
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -38,7 +47,7 @@ class KVBlock:
 
 
 class FreeBlockQueue:
-    """Doubly linked list of free blocks, least recently freed at the head.
+    """Doubly linked list of free cached blocks, least recently freed at the head.
 
     Why not `collections.deque`: a prefix-cache hit on a free block must take that block out
     of the *middle* of the queue, which is O(n) for a deque (`deque.remove` scans) and O(1)
@@ -106,7 +115,8 @@ class BlockPool:
     """All KV blocks of the cache, their reference counts and the prefix cache.
 
     Invariants (see `check_integrity`):
-    - every block with ref_cnt == 0 is in the free list, and only those;
+    - every block with ref_cnt == 0 is free, and only those: in the LRU list if it is cached, else
+      among the empty ones;
     - `cached_blocks[h] is b` exactly when `b.block_hash == h` (a block is cached under at most
       one hash and a hash names at most one block);
     - ref_cnt never goes below 0.
@@ -118,7 +128,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(block_id=i) for i in range(num_blocks)]
-        self.free_block_queue = FreeBlockQueue(self.blocks)
+        self.free_block_queue = FreeBlockQueue()  # free cached blocks, LRU at the head
+        self._empty = list(range(num_blocks))  # ids of free blocks without a hash, a heap
         self.cached_blocks: dict[int, KVBlock] = {}
         self.num_evictions = 0  # cached blocks reused for new content, cumulative
         self.events: KVEventLog | None = None  # set by whoever publishes KV events (None: no cost)
@@ -136,7 +147,13 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks no request holds, including cached ones that a new allocation may evict."""
-        return self.free_block_queue.num_free_blocks
+        return len(self._empty) + self.free_block_queue.num_free_blocks
+
+    def free_order(self) -> Iterator[KVBlock]:
+        """Free blocks in the order new ones are taken: the empty ones by id, then the cached
+        ones least recently freed first. O(n log n): for tests and integrity checks."""
+        yield from (self.blocks[i] for i in sorted(self._empty))
+        yield from self.free_block_queue
 
     @property
     def usage(self) -> float:
@@ -144,17 +161,21 @@ class BlockPool:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def get_new_blocks(self, n: int) -> list[KVBlock]:
-        """Take `n` blocks from the head of the free list (least recently freed), ref_cnt = 1.
+        """Take `n` free blocks, ref_cnt = 1: empty ones, lowest id first, then cached ones from
+        the head of the LRU list (least recently freed; see the module docstring).
 
-        A popped block that still holds a cached prefix is evicted from the prefix cache: its
-        slots are about to be overwritten.
+        A cached block taken is evicted from the prefix cache: its slots are about to be
+        overwritten.
         """
         if n > self.num_free_blocks:
             raise ValueError(f"cannot allocate {n} blocks: only {self.num_free_blocks} free")
         out = []
         evicted: list[int] = []
         for _ in range(n):
-            block = self.free_block_queue.popleft()
+            if self._empty:
+                block = self.blocks[heapq.heappop(self._empty)]
+            else:
+                block = self.free_block_queue.popleft()
             if block.block_hash is not None:
                 if self._evict(block):
                     evicted.append(block.block_hash)
@@ -176,14 +197,17 @@ class BlockPool:
         return False
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
-        """Take a reference on prefix-cache hits; a free one leaves the free list (no longer evictable)."""
+        """Take a reference on prefix-cache hits; a free one leaves the LRU list (no longer evictable)."""
         for block in blocks:
             if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    raise RuntimeError(f"block {block.block_id} is empty: only a cached block can be hit")
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
-        """Drop one reference from each block; a block reaching 0 goes to the tail of the free list.
+        """Drop one reference from each block; a block reaching 0 goes to the tail of the LRU
+        list if it is cached, else back among the empty ones.
 
         Callers pass a request's blocks in *reverse* order, so that its last blocks (the least
         likely to be shared: a longer prefix is rarer) are evicted before its first ones.
@@ -193,7 +217,10 @@ class BlockPool:
                 raise RuntimeError(f"block {block.block_id} freed more times than it was taken")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_block_queue.append(block)
+                if block.block_hash is None:
+                    heapq.heappush(self._empty, block.block_id)
+                else:
+                    self.free_block_queue.append(block)
 
     def cache_full_block(self, block: KVBlock, block_hash: int) -> bool:
         """Enter a full block into the prefix cache under `block_hash`; True if it entered now.
@@ -202,8 +229,8 @@ class BlockPool:
         same time), this block stays uncached: the map names one block per hash, and the two
         hold the same K/V anyway. A block that is already cached is left as it is.
         """
-        if not self.enable_caching or block.block_hash is not None:
-            return False
+        if not self.enable_caching or block.block_hash is not None or block.ref_cnt == 0:
+            return False  # (a free block's slots may be handed out and overwritten: never cached)
         if block_hash in self.cached_blocks:
             return False
         block.block_hash = block_hash
@@ -222,6 +249,9 @@ class BlockPool:
             if self.events is not None:
                 self.events.removed((block.block_hash,))
         block.block_hash = None
+        if block.ref_cnt == 0:  # free: from the LRU list back among the empty blocks
+            self.free_block_queue.remove(block)
+            heapq.heappush(self._empty, block.block_id)
 
     def get_cached_block(self, block_hash: int) -> KVBlock | None:
         """The block holding this prefix hash, or None."""
@@ -230,6 +260,10 @@ class BlockPool:
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (blocks in use stay in use). Returns how many were dropped."""
         n = len(self.cached_blocks)
+        for block in list(self.free_block_queue):  # free cached blocks become empty ones
+            self.free_block_queue.remove(block)
+            self._empty.append(block.block_id)
+        heapq.heapify(self._empty)
         for block in self.cached_blocks.values():
             block.block_hash = None
         self.cached_blocks.clear()
@@ -250,9 +284,10 @@ class BlockPool:
             raise AssertionError(
                 f"free list holds {len(forward)} blocks but counts {self.free_block_queue.num_free_blocks}"
             )
-        in_list = {b.block_id for b in forward}
-        if len(in_list) != len(forward):
-            raise AssertionError("a block appears twice in the free list")
+        ids = [b.block_id for b in forward] + self._empty
+        in_list = set(ids)
+        if len(in_list) != len(ids):
+            raise AssertionError("a block appears twice among the free blocks")
         zero_ref = {b.block_id for b in self.blocks if b.ref_cnt == 0}
         if in_list != zero_ref:
             raise AssertionError(
@@ -265,3 +300,7 @@ class BlockPool:
         for block in self.blocks:
             if block.block_hash is not None and self.cached_blocks.get(block.block_hash) is not block:
                 raise AssertionError(f"block {block.block_id} has a hash that the map does not name it for")
+        if any(b.block_hash is None for b in forward):
+            raise AssertionError("an empty block is in the LRU list of cached blocks")
+        if any(self.blocks[i].block_hash is not None for i in self._empty):
+            raise AssertionError("a cached block is among the empty ones")

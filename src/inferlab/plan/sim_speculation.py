@@ -6,7 +6,9 @@ sampler emits it, and `SimProposer` drafts from it, right at draft position j wi
 reports and `vllm:spec_decode_*` counts), and wrong from the first miss on. So the engine's own
 scheduler, its "when it pays" rule (shadow probes included) and greedy verification
 (`accept_greedy`) run unchanged; the step's time is the cost model's, drafts counted as decode
-rows. The proposer's own time is not modelled (the virtual clock does not move while it runs).
+rows. The rule starts from the step cost the engine measures at start-up, here read off the cost
+model (`startup_step_cost`). The proposer's own time is not modelled (the virtual clock does not
+move while it runs).
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ import numpy as np
 from inferlab.engine.outputs import ScheduledRequest
 from inferlab.engine.request import Request
 from inferlab.engine.spec_decode import accept_greedy
+from inferlab.engine.spec_policy import measured_step_cost
+from inferlab.plan.cost_model import StepCostModel
+from inferlab.plan.roofline import StepShape
+
+STARTUP_ROWS = 32  # the larger of the engine's two start-up row counts (llm_engine.py _measure_step_cost)
 
 
 def parse_acceptance(text: str) -> tuple[float, ...]:
@@ -82,3 +89,16 @@ class SimProposer:
 
     def finish(self, request: Request) -> None:
         self.replies.forget(request.request_id)  # the scheduler calls this as the request ends
+
+
+def startup_step_cost(cost: StepCostModel, context: int, max_num_seqs: int) -> tuple[float, float] | None:
+    """(a, b) of the decode step's a + b·rows as the engine measures it at start-up (decode steps
+    of 1 row and of up to 32), here on the cost model's clock at `context` tokens, for the rule
+    (engine/spec_policy.py); None when the model's decode steps do not grow with rows (a constant
+    cost): the rule then keeps its prior, as an engine whose measure failed does. Without it the
+    simulated rule priced a row at 1/16 of the step whatever the cost model said."""
+    def t(rows: int) -> float:
+        return cost.step_time(StepShape.from_chunks([(context, 1, True)] * rows))
+
+    rows = min(max_num_seqs, STARTUP_ROWS)
+    return measured_step_cost([(1, t(1)), (rows, t(rows))]) if rows > 1 else None

@@ -36,7 +36,7 @@ from inferlab.engine.request import Request, SamplingParams
 from inferlab.engine.scheduler import Scheduler
 from inferlab.engine.spec_decode import SpecDecodeStats
 from inferlab.plan.cost_model import StepCostModel, shape_of
-from inferlab.plan.sim_speculation import SimProposer, SimReplies
+from inferlab.plan.sim_speculation import SimProposer, SimReplies, startup_step_cost
 
 
 class VirtualClock:
@@ -185,8 +185,12 @@ def simulate(
         replies = SimReplies(lambda n: _sample(rng, n, workload))
         proposer = SimProposer(replies, speculative_config.num_speculative_tokens, acceptance, workload.vocab_size,
                                workload.seed + 1)
+    step_cost = None
+    if speculative_config is not None and speculative_config.adaptive:
+        step_cost = startup_step_cost(cost_model, workload.input_len + workload.output_len // 2,
+                                      scheduler_config.max_num_seqs)
     sched = Scheduler(scheduler_config, cache_config, num_blocks, clock=clock,
-                      speculative_config=speculative_config, proposer=proposer)
+                      speculative_config=speculative_config, proposer=proposer, step_cost=step_cost)
     releases = arrival_offsets(workload.num_prompts, workload.load, workload.seed)
     prefix = _token_ids(rng, workload.shared_prefix_len, workload)
     traces: list[SimTrace] = []
