@@ -31,15 +31,16 @@ decoding": whole turns seconds apart swing ±10% against each other on a noisy h
 plain decoding and one method's engine get the same requests (the same chat-templated prompts,
 greedy) and single `engine.step()` calls alternate between them until both have finished (rounds
 in ABBA order), so a burst of host load lands on both alike, within a step of each other; each
-engine's rate is its output tokens over its own summed step seconds (no HTTP, no client, not the other engine's
-steps). Which engine steps first flips every other turn. Per workload, streams and method it
-prints the median of the turns' spec/plain ratios, the ratio of the summed totals, each
-engine's step count, and whether the greedy token ids were identical (--json: "paired_steps").
-In one process, though, each engine's weights and KV pool stay where they were placed, and on a
-VM two copies of the same weights can read at speeds that differ by a few percent for the whole
-process (plain against plain, "--methods control": up to 1.03 at 32 streams). --paired-processes
-N runs the paired measure in N fresh processes one after the other and pools their turns (the
-ratio: the median of every turn's; each process's own median beside it).
+engine's rate is its output tokens over its own summed step seconds (no HTTP, no client, not the
+other engine's steps). Which engine steps first flips every other turn. Per workload, streams
+and method it prints the median of the turns' spec/plain ratios, the ratio of the summed totals,
+each engine's step count, and whether the greedy token ids were identical (--json:
+"paired_steps"). In one process, though, each engine's weights and KV pool stay where they were
+placed, and on a VM two copies of the same weights can read at speeds that differ for the whole
+process (two plain engines at one stream: 1.00-1.11 apart over six processes; "--methods
+control" adds that pair to every table). --paired-processes N runs the paired measure in N fresh
+processes one after the other and pools their turns (the ratio: the median of every turn's; each
+process's own median beside it).
 
     .venv/bin/python benchmarks/spec_decode.py [--model PATH] [--k 4] [--methods ngram,suffix]
         [--draft-model PATH] [--streams 1,32] [--runs 3] [--max-tokens 96] [--always] [--vllm] [--json]
@@ -369,8 +370,7 @@ def step_once(run: Stepped) -> None:
 def paired_turn(first: LLM, second: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[Stepped, Stepped]:
     """Both engines get the same requests, then single steps alternate until both have finished:
     a load change lands on both within a step or two. Rounds go first, second / second, first
-    (ABBA): with plain alternation the engine that stepped first in a turn read 1-2% slower over
-    a whole turn, so which one starts decided a 32-stream cell's last percent."""
+    (ABBA), so that neither engine is always the one stepping right after the other."""
     runs = (enqueue(first, prompts, params), enqueue(second, prompts, params))
     rounds = 0
     while not all(r.finished for r in runs):
@@ -431,8 +431,8 @@ def paired_in_processes(args: argparse.Namespace, methods: list[str], streams_li
     """--paired-processes N: the paired measure run in N fresh processes, one after the other, and
     their rows merged (`merge_processes`). Why: in one process each engine's weights and KV pool sit
     where they were placed once, and on this VM two copies of the same weights read at speeds that
-    differ by process (an A/A pair of plain engines: 1.00-1.11 at one stream, up to 1.03 at 32
-    streams, each consistent over its turns); a new process places them anew."""
+    differ by process (two plain engines at one stream: 1.00-1.11 apart over six processes, each
+    consistent over its turns); a new process places them anew."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--paired-steps", "--json",
             "--streams", ",".join(map(str, streams_list)), "--runs", str(args.runs),
             "--methods", ",".join(m for m in methods if m != "draft_model"), "--workloads", args.workloads,

@@ -55,9 +55,11 @@ def test_empty_blocks_are_taken_lowest_id_first_whatever_the_order_freed():
 def test_empty_blocks_go_before_any_cached_one_is_evicted():
     pool = BlockPool(4)
     a = pool.get_new_blocks(2)  # 0 1, cached
+    b = pool.get_new_blocks(2)  # 2 3, never cached
     for i, blk in enumerate(a):
         pool.cache_full_block(blk, 100 + i)
-    pool.free_blocks(reversed(a))
+    pool.free_blocks(reversed(a))  # the cached ones are freed first: least recently freed
+    pool.free_blocks(reversed(b))
     assert free_ids(pool) == [2, 3, 1, 0]  # empty ones first, then the cached ones LRU
     assert [blk.block_id for blk in pool.get_new_blocks(2)] == [2, 3]
     assert pool.cached_blocks.keys() == {100, 101}  # nothing evicted while an empty block was free
