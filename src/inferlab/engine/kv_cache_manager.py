@@ -144,7 +144,7 @@ class KVCacheManager:
         total = num_computed + num_new_tokens
         num_required = -(-total // b)
         num_new_blocks = max(num_required - len(req_blocks) - len(new_computed_blocks), 0)
-        # Touching a free (cached, evictable) hit takes it out of the free list: it cannot
+        # Touching a free (cached, evictable) hit takes it out of the free blocks: it cannot
         # also be counted as a block to allocate.
         num_free_hits = sum(1 for blk in new_computed_blocks if blk.ref_cnt == 0)
         if num_new_blocks > self.block_pool.num_free_blocks - num_free_hits:
