@@ -273,3 +273,23 @@ def test_new_requests_probe_staggered():
             if p.num_drafts(f"r{i}", batch=32) and i not in first:
                 first[i] = step
     assert len(first) == 32 and len(set(first.values())) > 16  # each probes within the interval, not all at once
+
+
+def test_a_step_is_planned_at_once_as_request_by_request():
+    """plan_step gives each request what plan() would, in the same order (probes included), and
+    settles those under the first-position bound without their full estimate."""
+    one, many = measured(0.010, 0.0005, shadow=True), measured(0.010, 0.0005, shadow=True)
+    for p in (one, many):
+        accepting(p, "chat", 0.1)
+        accepting(p, "copy", 0.98)
+    ids = ["chat", "copy", "new"]
+    for _ in range(3 * PROBE_MAX):
+        assert many.plan_step(ids, batch=32) == [one.plan(rid, batch=32) for rid in ids]
+    assert any(k for k, _ in many.plan_step(ids, batch=32))  # copying still drafts at 32 streams
+
+    def no_estimate(request_id: str) -> list[float]:
+        raise AssertionError(f"full estimate asked for {request_id}")
+    many.expected = no_estimate  # type: ignore[method-assign]
+    assert [k for k, shadow in many.plan_step(["chat"] * 5, batch=32) if not shadow] == [0] * 5
+    with pytest.raises(AssertionError, match="copy"):
+        many.plan_step(["copy"], batch=32)

@@ -326,20 +326,23 @@ class Scheduler:
         decoding = [r for r in self.running if r.num_computed_tokens == r.num_tokens - 1]  # not prefilling
         # Prompt tokens in this step (a running prefill, or one to admit): the policy drafts none.
         prefill = len(decoding) < len(self.running) or (bool(self.waiting) and len(self.running) < self.config.max_num_seqs)
+        if self.policy is None:
+            plans = [(budget, False)] * len(decoding)  # the proposer's own K bounds them
+        else:  # asked first: most requests at many streams draft nothing, and need no room worked out
+            plans = self.policy.plan_step([r.request_id for r in decoding], len(decoding), prefill)
         batch: list[tuple[Request, int]] = []
         shadows: list[str] = []
-        for request in decoding:
-            params = request.sampling_params
-            room = min(budget - 1, self._max_len(request) - request.num_tokens - 1)
-            if params.max_tokens is not None:
-                room = min(room, params.max_tokens - request.num_output_tokens - 1)
-            if self.policy is not None and room > 0:
-                k, shadow = self.policy.plan(request.request_id, len(decoding), prefill)
-                room = min(room, k)
-                if shadow and room > 0:
-                    shadows.append(request.request_id)
+        for request, (k, shadow) in zip(decoding, plans):
+            if not k:
+                continue
+            room = min(k, budget - 1, self._max_len(request) - request.num_tokens - 1)
+            max_tokens = request.sampling_params.max_tokens
+            if max_tokens is not None:
+                room = min(room, max_tokens - request.num_output_tokens - 1)
             if room > 0:
                 batch.append((request, room))
+                if shadow:
+                    shadows.append(request.request_id)
         if not batch:
             return {}
         t0 = self.clock()
