@@ -4,6 +4,7 @@ acceptance per position; and the scheduler asking it (adaptive on) or not (off).
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -12,7 +13,15 @@ from test_spec_decode_core import PROMPT, prefill
 
 from inferlab.config import SpeculativeConfig
 from inferlab.engine.outputs import ModelRunnerOutput
-from inferlab.engine.spec_policy import MARGIN, PROBE_EVERY, PROBE_MAX, SpecPolicy, measured_step_cost
+from inferlab.engine.spec_policy import (
+    MARGIN,
+    PROBE_EVERY,
+    PROBE_MAX,
+    SHADOW_MAX,
+    SHADOW_SHARE,
+    SpecPolicy,
+    measured_step_cost,
+)
 
 
 def measured(a: float, b: float, k: int = 4, shadow: bool = False) -> SpecPolicy:
@@ -79,13 +88,17 @@ def test_with_rows_that_never_vary_the_start_up_measure_sets_the_row_cost():
 
 def test_shadow_probes_are_spaced_by_what_the_proposer_costs():
     """Shadows cost no row, only the proposer's search: every 16th step while that is cheap,
-    fewer (up to every 64th) once a batch's searches would take more than 0.5% of the step."""
+    fewer (up to every 128th) once a batch's searches would take more than 0.25% of the step,
+    priced per request asked (a search costs the same whether it finds one draft or four)."""
     p = measured(0.008, 0.001, shadow=True)
     assert p.shadow_every(32) == PROBE_EVERY  # no proposal measured yet: free
-    p.observe_proposal(0.0001 * 4 * 10, 4 * 10)  # 0.1 ms a draft (a suffix search here)
+    p.observe_proposal(0.0003 * 10, 10, num_requests=10)  # 0.3 ms a request, one draft each
     assert p.shadow_every(1) == PROBE_EVERY
-    assert p.shadow_every(32) == PROBE_MAX  # 32 x 0.4 ms against 0.5% of a 40 ms step
-    assert PROBE_EVERY < p.shadow_every(8) < PROBE_MAX
+    # 32 x 0.3 ms against 0.25% of a 40 ms step: every 96th step (K x 0.3 ms a draft: the cap).
+    assert p.shadow_every(32) == math.ceil(32 * 0.0003 / (SHADOW_SHARE * 0.040)) < SHADOW_MAX
+    assert PROBE_EVERY < p.shadow_every(8) < p.shadow_every(32)
+    p.observe_proposal(0.003 * 100, 100, num_requests=100)  # searches of 3 ms: as rare as allowed
+    assert p.shadow_every(32) == SHADOW_MAX
 
 
 def test_one_stream_speculates_even_at_modest_acceptance():

@@ -348,7 +348,7 @@ class Scheduler:
         t0 = self.clock()
         drafts = self.proposer.propose_requests(batch)
         if self.policy is not None:
-            self.policy.observe_proposal(self.clock() - t0, sum(len(d) for d in drafts.values()))
+            self.policy.observe_proposal(self.clock() - t0, sum(len(d) for d in drafts.values()), len(batch))
             for rid in shadows:  # checked against the tokens decoded, never scheduled
                 self.policy.observe_shadow(rid, drafts.pop(rid, []))
         return drafts

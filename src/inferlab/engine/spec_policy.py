@@ -50,8 +50,9 @@ that is not a model (n-gram, suffix) a probe is a *shadow*: K drafts are propose
 scheduled, and checked against the tokens the request then decodes: the verdict a verification
 would give (greedy exactly; sampled, a draft matches with probability p(draft), the rejection
 rule's acceptance) at no row's cost, only the proposer's. Shadows come every PROBE_EVERY-th step,
-less often where the proposer's measured time would take more than PROBE_SHARE of the step (up to
-every PROBE_MAX-th: 32 streams with suffix decoding).
+less often where the proposer's measured time per request would take more than SHADOW_SHARE of the
+step (up to every SHADOW_MAX-th: 32 streams with suffix decoding, where a probe's search costs
+~0.3 ms between forward passes and drafting gains a percent or two at best on a CPU).
 A draft model's probe is one real draft (its proposal is a model pass either way), spaced so
 that probes cost at most PROBE_SHARE of the step time (every PROBE_EVERY-th step at one stream)
 but come at least every PROBE_MAX-th step (the 64th at 32 streams). A new request's first probe
@@ -77,6 +78,8 @@ DECAY = 0.98  # weight of the past per observed step in the cost fit
 PROBE_EVERY = 16  # a request kept from drafting is probed every this many steps (shadows: exactly)
 PROBE_SHARE = 0.005  # ... and at most this share of the step time goes to probes,
 PROBE_MAX = 64  # ... but at least once in a reply of this many tokens
+SHADOW_SHARE = 0.0025  # shadow probes: at most this share of the step time,
+SHADOW_MAX = 128  # ... but at least every this many steps
 TOTAL_DECAY = 0.995  # weight of the past per verdict in the engine-wide acceptance (the prior)
 MARGIN = 0.2  # drafts must add tokens at (1 + MARGIN) x the step's own rate
 
@@ -136,8 +139,9 @@ class SpecPolicy:
     _y: float = 0.0
     _xx: float = 0.0
     _xy: float = 0.0
-    _propose_time: float = 0.0  # weighted proposer seconds and draft tokens made
+    _propose_time: float = 0.0  # weighted proposer seconds, draft tokens made, requests asked for
     _proposed: float = 0.0
+    _asked: float = 0.0
     total: _Acceptance = field(default_factory=_Acceptance)
     requests: dict[str, _Acceptance] = field(default_factory=dict)
     skipped: dict[str, int] = field(default_factory=dict)  # steps without drafts since the last
@@ -161,10 +165,12 @@ class SpecPolicy:
         self._xx = d * self._xx + num_rows * num_rows
         self._xy = d * self._xy + num_rows * seconds
 
-    def observe_proposal(self, seconds: float, num_drafts: int) -> None:
-        """The proposer took `seconds` for `num_drafts` draft tokens this step."""
+    def observe_proposal(self, seconds: float, num_drafts: int, num_requests: int = 1) -> None:
+        """The proposer took `seconds` for `num_drafts` draft tokens to `num_requests` requests
+        this step."""
         self._propose_time = DECAY * self._propose_time + seconds
         self._proposed = DECAY * self._proposed + num_drafts
+        self._asked = DECAY * self._asked + num_requests
 
     def observe_verdict(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """Positions verified: the accepted ones, and the first rejected one if any."""
@@ -286,17 +292,22 @@ class SpecPolicy:
         return self._spaced(batch, self.step_cost()[1])
 
     def shadow_every(self, batch: int) -> int:
-        """Steps between shadow probes: the same spacing for what a shadow costs, K drafts
-        proposed at the proposer's measured cost per draft (no row). At 32 streams a suffix
-        search (~0.1 ms a draft here) every 16th step was ~1% of the step for nothing: there
-        drafts pay only when nearly all are kept, and a copy found 64 steps later still has most
-        of its reply ahead."""
-        return self._spaced(batch, self.k * self.proposal_cost()) if self._w > 0 else PROBE_EVERY
+        """Steps between shadow probes: the same spacing for what a shadow costs, one request's
+        proposal at the proposer's measured time per request asked (no row), against
+        SHADOW_SHARE of the step. Per request and not K x the time per draft made: a chat probe
+        often finds fewer than K drafts, and its search costs the same. At 32 streams of chat
+        with suffix decoding (~0.3 ms a probe between forward passes, 45 ms steps, 2-core Zen 4)
+        the engine read 0.99 against plain decoding with nothing drafted and probes every 64th
+        step (0.5% of the step's time allowed them): drafts pay there only when nearly all are
+        kept, and a copy found a hundred steps late still has most of its reply ahead."""
+        if self._w <= 0 or self._asked <= 0:
+            return PROBE_EVERY
+        return self._spaced(batch, self._propose_time / self._asked, SHADOW_SHARE, SHADOW_MAX)
 
-    def _spaced(self, batch: int, probe_seconds: float) -> int:
+    def _spaced(self, batch: int, probe_seconds: float, share: float = PROBE_SHARE, most: int = PROBE_MAX) -> int:
         a, b = self.step_cost()
         s = a + b * max(batch, 1)
-        return min(PROBE_MAX, max(PROBE_EVERY, math.ceil(max(batch, 1) * probe_seconds / (PROBE_SHARE * s))))
+        return min(most, max(PROBE_EVERY, math.ceil(max(batch, 1) * probe_seconds / (share * s))))
 
     # ------------------------------------------------------------------ the rule
 
