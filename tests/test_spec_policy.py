@@ -94,7 +94,7 @@ def test_shadow_probes_are_spaced_by_what_the_proposer_costs():
     assert p.shadow_every(32) == PROBE_EVERY  # no proposal measured yet: free
     p.observe_proposal(0.0003 * 10, 10, num_requests=10)  # 0.3 ms a request, one draft each
     assert p.shadow_every(1) == PROBE_EVERY
-    # 32 x 0.3 ms against 0.25% of a 40 ms step: every 96th step (K x 0.3 ms a draft: the cap).
+    # 32 x 0.3 ms against 0.25% of a 40 ms step: every 96th step (priced as K x 0.3 ms a draft: the cap).
     assert p.shadow_every(32) == math.ceil(32 * 0.0003 / (SHADOW_SHARE * 0.040)) < SHADOW_MAX
     assert PROBE_EVERY < p.shadow_every(8) < p.shadow_every(32)
     p.observe_proposal(0.003 * 100, 100, num_requests=100)  # searches of 3 ms: as rare as allowed
