@@ -127,6 +127,14 @@ class _Acceptance:
                 self.successes[j] += 1
 
 
+def _blend(r: _Acceptance, j: int, prior: float) -> float:
+    """α_j for a request: its own verdicts at position j over the engine-wide rate as a prior
+    of PRIOR_WEIGHT trials (the prior alone where it never reached j)."""
+    if j >= len(r.trials):
+        return prior
+    return (r.successes[j] + PRIOR_WEIGHT * prior) / (r.trials[j] + PRIOR_WEIGHT)
+
+
 @dataclass
 class SpecPolicy:
     k: int
@@ -252,9 +260,7 @@ class SpecPolicy:
         r = self.requests.get(request_id)
         if r is None:
             return list(prior)
-        n = len(r.trials)
-        return [(r.successes[j] + PRIOR_WEIGHT * p) / (r.trials[j] + PRIOR_WEIGHT) if j < n else p
-                for j, p in enumerate(prior)]
+        return [_blend(r, j, p) for j, p in enumerate(prior)]
 
     def _prior_rates(self) -> list[float]:
         """The engine-wide rate per position, each centred on the one before it (the first on
@@ -272,9 +278,7 @@ class SpecPolicy:
         """α_1 alone (acceptance()[0] without the rest)."""
         p = self._prior_rates()[0]
         r = self.requests.get(request_id)
-        if r is None or not r.trials:
-            return p
-        return (r.successes[0] + PRIOR_WEIGHT * p) / (r.trials[0] + PRIOR_WEIGHT)
+        return p if r is None else _blend(r, 0, p)
 
     def expected(self, request_id: str) -> list[float]:
         """E(1)..E(K): tokens k drafts are expected to add."""
