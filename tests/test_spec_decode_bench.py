@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from spec_decode import merge_processes, rates  # noqa: E402
+from spec_decode import merge_processes, rates, ratio_interval  # noqa: E402
 
 
 def _row(method: str, turns: list[float], seconds: tuple[float, float], counts: dict, identical: bool = True) -> dict:
@@ -46,3 +47,28 @@ def test_rows_of_different_cells_stay_apart() -> None:
     merged = merge_processes([rows, rows])
     assert [r["method"] for r in merged] == ["control", "suffix"]
     assert all(r["process_ratios"] == [1.0, 1.0] and r["drafted_steps"] == 0 for r in merged)
+
+
+def test_interval_resamples_processes_not_turns() -> None:
+    # Two processes whose turns agree within each but not between: placement moves a whole
+    # process, so the interval must span both processes' levels, not shrink with the turn count.
+    groups = [[0.98] * 6, [1.02] * 6]
+    mean, lo, hi = ratio_interval(groups)
+    assert mean == pytest.approx(math.sqrt(0.98 * 1.02))
+    assert lo == pytest.approx(0.98) and hi == pytest.approx(1.02)
+    # The same twelve turns taken one by one: a much narrower interval.
+    _, lo_t, hi_t = ratio_interval([[x] for g in groups for x in g])
+    assert lo < lo_t < mean < hi_t < hi
+    assert ratio_interval(groups) == (mean, lo, hi)  # seeded
+    with pytest.raises(ValueError):
+        ratio_interval([[]])
+
+
+def test_merged_rows_carry_their_interval_over_processes() -> None:
+    one = _row("suffix", [0.99, 1.00, 0.98], (1.0, 1.0), _counts(0, [], []))
+    two = _row("suffix", [1.01, 1.00, 1.02], (1.0, 1.0), _counts(0, [], []))
+    (merged,) = merge_processes([[one], [two]])
+    lo, hi = merged["interval_95"]
+    assert merged["interval_over"] == "processes"
+    assert lo < merged["geo_mean_ratio"] < hi
+    assert merged["geo_mean_ratio"] == pytest.approx(math.exp(sum(math.log(x) for x in [0.99, 1.0, 0.98, 1.01, 1.0, 1.02]) / 6))
