@@ -12,12 +12,15 @@ dispatch, and everything no bucket names. Medians are per step.
 
 Each column also gets its roof, from this machine measured in the same run (`measure_cpu`:
 streaming read bandwidth, the matmul rate of the products the model runs: int8 for w8a8, bf16
-where it multiplies in bf16, else float32), read again just before each of the case's timed
+where it multiplies in bf16, else float32; and the rate of what attention multiplies in: bf16 for
+our bf16 flash attention and for decode attention over a bf16 cache, else float32), read again just before each of the case's timed
 runs, because a shared host's bandwidth moves between spells minutes long (the same sum read
 28 and 40 GB/s ten minutes apart here): each run is held against the roof read seconds before
 it, and the % shown is the median of the three. A decode step cannot beat (weight bytes + the
-K/V bytes its sequences' contexts hold) / bandwidth, a prefill step 2 × parameters × tokens
-(+ attention's 2 × 2 × layers × heads × head dim per query-key pair) / FLOP rate. The roof is
+K/V bytes its sequences' contexts hold) / bandwidth, a prefill step 2 × parameters × tokens /
+the products' rate + attention's 2 × 2 × layers × heads × head dim per query-key pair / the rate of
+attention's own arithmetic (w8a8's attention is not int8: held to int8's rate, a 512-token
+prefill's roof read ~12 ms short on a Zen 4). The roof is
 held against the step timed with no profiler attached ("step, no profiler", runs alternated
 with the profiled ones): the profiler's per-operator cost lands in "python/other".
 "parts roof": the same bound taken per part and summed, the matmuls' (weight bytes or their
@@ -154,12 +157,23 @@ def mean_context(prompt_len: int, decodes_before: int, steps: int) -> float:
     return prompt_len + decodes_before + 1 + (steps - 1) / 2
 
 
-def roofs(llm: LLM, bandwidth: float, flops: float, steps: int) -> tuple[dict[str, float], dict[str, float]]:
+def attention_rates(precision, flops: dict[str, float]) -> tuple[float, float]:
+    """The FLOP rates attention's arithmetic is held against, (prefill, decode), from `measure_cpu`'s
+    rates: bf16 where it multiplies in bf16 (our bf16 flash attention; decode attention over a
+    bf16 cache), float32 otherwise (float16 or int8 K/V are widened to float32; torch's SDPA)."""
+    prefill = "bf16" if precision.prefill_attention == "bfloat16" and "bf16" in flops else "fp32"
+    decode = "bf16" if precision.bf16_decode_attention and "bf16" in flops else "fp32"
+    return flops[prefill], flops[decode]
+
+
+def roofs(llm: LLM, bandwidth: float, flops: float, attn_flops_rate: tuple[float, float],
+          steps: int) -> tuple[dict[str, float], dict[str, float]]:
     """Seconds per step at the machine's roof, per case of `main` (see the module docstring):
     the larger of the bytes over the bandwidth and the FLOPs over the matmul rate (at 32
     sequences the compute roof binds on this CPU, in a prefill always). Then the same per part,
     summed: the matmuls' (weight bytes, their FLOPs) plus attention's (K/V bytes, its FLOPs),
-    each at its own binding roof, since a step runs them one after the other."""
+    each at its own binding roof, since a step runs them one after the other. `flops`: the
+    products' rate; `attn_flops_rate`: attention's, (prefill, decode) (`attention_rates`)."""
     mc = llm.engine.model_config
     kv_per_token = llm.engine.runner.kv_bytes_per_token  # as stored (an int8 cache's scales included)
     wb = llm.engine.runner.model.decode_weight_nbytes
@@ -168,20 +182,21 @@ def roofs(llm: LLM, bandwidth: float, flops: float, steps: int) -> tuple[dict[st
     head_flops = 2 * mc.vocab_size * mc.hidden_size  # once per sampled token
     attn_per_pair = 4 * mc.num_layers * mc.num_heads * mc.head_dim
 
-    def roof(tokens: int, sampled: int, pairs: float, kv_tokens: float) -> tuple[float, float]:
+    def roof(tokens: int, sampled: int, pairs: float, kv_tokens: float, attn_rate: float) -> tuple[float, float]:
         kv_bytes, attn_flops = kv_tokens * kv_per_token, attn_per_pair * pairs
         linear_flops = tokens * 2 * mc.num_layers * layer_params + sampled * head_flops
-        whole = max((wb + kv_bytes) / bandwidth, (linear_flops + attn_flops) / flops)
-        parts = max(wb / bandwidth, linear_flops / flops) + max(kv_bytes / bandwidth, attn_flops / flops)
+        whole = max((wb + kv_bytes) / bandwidth, linear_flops / flops + attn_flops / attn_rate)
+        parts = max(wb / bandwidth, linear_flops / flops) + max(kv_bytes / bandwidth, attn_flops / attn_rate)
         return whole, parts
 
     # The cases' shapes (see main): decodes measured after 1 and 2 unmeasured decode steps.
     ctx1, ctx32 = mean_context(128, 1, steps), mean_context(256, 2, steps)
+    prefill_rate, decode_rate = attn_flops_rate
     cases = {
-        "decode, batch 1 (ctx ~140)": roof(1, 1, ctx1, ctx1),
-        "decode, batch 32 (ctx ~280)": roof(32, 32, 32 * ctx32, 32 * ctx32),
-        "prefill, 512 tokens": roof(512, 1, attention_pairs(0, 512), 0),
-        "prefill, 8 x 256 tokens": roof(2048, 8, 8 * attention_pairs(0, 256), 0),
+        "decode, batch 1 (ctx ~140)": roof(1, 1, ctx1, ctx1, decode_rate),
+        "decode, batch 32 (ctx ~280)": roof(32, 32, 32 * ctx32, 32 * ctx32, decode_rate),
+        "prefill, 512 tokens": roof(512, 1, attention_pairs(0, 512), 0, prefill_rate),
+        "prefill, 8 x 256 tokens": roof(2048, 8, 8 * attention_pairs(0, 256), 0, prefill_rate),
     }
     return {n: r[0] for n, r in cases.items()}, {n: r[1] for n, r in cases.items()}
 
@@ -224,8 +239,9 @@ def main() -> None:
         for _ in range(3):  # alternated: profiled (the breakdown), the roof read, then plain (the step's time)
             runs.append(profile_steps(llm, prompts, max_tokens, steps, skip))
             hw = measure_cpu(array_mib=512, repeats=3)
-            reads.append((hw.memory_bandwidth, hw.flops[rate]))
-            w, p = roofs(llm, hw.memory_bandwidth, hw.flops[rate], args.steps)
+            attn = attention_rates(precision, hw.flops)
+            reads.append((hw.memory_bandwidth, hw.flops[rate], *attn))
+            w, p = roofs(llm, hw.memory_bandwidth, hw.flops[rate], attn, args.steps)
             whole_r.append(w[name])
             parts_r.append(p[name])
             plain.append(time_steps(llm, prompts, max_tokens, steps, skip))
@@ -242,9 +258,14 @@ def main() -> None:
     print(f"{'% of roof (no profiler)':<24}" + "".join(f"{100 * roof[n][1]:>29.0f}%" for n in results))
     print(f"{'parts roof (docstring)':<24}" + "".join(f"{parts[n][0] * 1000:>30.2f}" for n in results))
     print(f"{'% of parts roof':<24}" + "".join(f"{100 * parts[n][1]:>29.0f}%" for n in results))
-    bw, fl = [r[0] / 1e9 for r in reads], [r[1] / 1e9 for r in reads]
-    print(f"roofs read before the timed runs: {min(bw):.1f}-{max(bw):.1f} GB/s (median {statistics.median(bw):.1f}), "
-          f"{min(fl):.0f}-{max(fl):.0f} GFLOP/s {rate} (median {statistics.median(fl):.0f})")
+    def span(i: int, digits: int = 0) -> str:
+        xs = [r[i] / 1e9 for r in reads]
+        return f"{min(xs):.{digits}f}-{max(xs):.{digits}f} (median {statistics.median(xs):.{digits}f})"
+
+    prefill_kind = "bf16" if precision.prefill_attention == "bfloat16" else "fp32"
+    decode_kind = "bf16" if precision.bf16_decode_attention else "fp32"
+    print(f"roofs read before the timed runs: GB/s {span(0, 1)}, GFLOP/s {rate} products {span(1)}, "
+          f"prefill attention ({prefill_kind}) {span(2)}, decode attention ({decode_kind}) {span(3)}")
 
 
 if __name__ == "__main__":
