@@ -141,3 +141,28 @@ def test_fused_forward_gives_the_same_tokens_and_logprobs(tiny_llama, monkeypatc
     fused = _generate(tiny_llama, monkeypatch, True)
     plain = _generate(tiny_llama, monkeypatch, False)
     assert_same_greedy(fused, plain, top_ids=True)
+
+
+@pytest.mark.skipif(build.kernel_info().int8_dot != "vpdpbusd",
+                    reason=f"w8a8's codes in panels are the VNNI variant's (AVX512_VNNI); this process has "
+                           f"{build.kernel_info().variant}")
+def test_w8a8_norms_and_silu_handing_over_codes_change_no_bit(tiny_llama):
+    """The fused layers of w8a8 in panels quantize the norms' and SiLU's rows as they make them
+    (add_rms_norm_q8_, silu_mul_q8): the same tokens and logprobs, to the bit, as the rows
+    handed over in float32 and quantized by the product."""
+    llm = LLM(str(tiny_llama), weight_dtype="w8a8", max_num_batched_tokens=24, num_kv_blocks=96,
+              decoder_backend="fused")
+    model = llm.engine.runner.model
+    assert model.q8_epilogues
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (3, 16, 30, 45)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    fused = llm.generate(prompts, params)
+    model.q8_epilogues = False
+    plain = llm.generate(prompts, params)
+    def bits(out) -> list:
+        return [(c.token_id, c.logprob, [(x.token_id, x.logprob) for x in top]) for c, top in out.outputs[0].logprobs]
+
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert bits(a) == bits(b)

@@ -681,3 +681,48 @@ def test_rows_our_kernels_hand_to_onednn_are_bucketed(dtype):
             assert torch.equal(y, real(x))
     assert {bucket_rows(m) for m in range(MKL_MIN_ROWS, 400)} >= set(seen[2:]) and len(set(seen)) <= 20
 
+
+
+VNNI_PANELS = pytest.mark.skipif(build.kernel_info().int8_dot != "vpdpbusd",
+                                 reason=f"w8a8's codes in panels are the VNNI variant's (AVX512_VNNI); this process has "
+                                        f"{build.kernel_info().variant}")
+
+
+@VNNI_PANELS
+@pytest.mark.parametrize("m", [1, 5, 64, 200])
+@pytest.mark.parametrize("k", [64, 70, 576])
+def test_w8a8_norm_and_silu_hand_over_the_codes_the_product_would_make(m, k):
+    """add_rms_norm_q8_ and silu_mul_q8 quantize each row as they make it: the next product
+    gives the bits it gives for the float32 rows (and the residual stream is updated alike)."""
+    g = torch.Generator().manual_seed(m * 1000 + k)
+    ops = torch.ops.inferlab
+    lin = WeightOnlyLinear(_weight(40, k), torch.int8, torch.randn(40, generator=g), int8_activations=True)
+    x, r = torch.randn(m, k, generator=g), torch.randn(m, k, generator=g)
+    w = torch.rand(k, generator=g) + 0.5
+    x_plain, x_q8 = x.clone(), x.clone()
+    want = lin(ops.add_rms_norm_(x_plain, r, w, 1e-5, False))
+    codes, scales = ops.add_rms_norm_q8_(x_q8, r, w, 1e-5)
+    assert codes.dtype == torch.uint8 and codes.shape == (m, -(-k // 64) * 64) and scales.shape == (m, -(-k // 64))
+    assert torch.equal(x_q8, x_plain)
+    assert torch.equal(lin.product_q8(codes, scales), want)
+    gate_up = torch.randn(m, 2 * k, generator=g) * 3
+    assert torch.equal(lin.product_q8(*ops.silu_mul_q8(gate_up)), lin(ops.silu_mul(gate_up)))
+
+
+@VNNI_PANELS
+def test_linear_panels_i8_q_refuses_mismatched_codes():
+    lin = WeightOnlyLinear(_weight(20, 70), torch.int8, None, int8_activations=True)
+    ops = torch.ops.inferlab
+    codes, scales = ops.silu_mul_q8(torch.randn(3, 140))
+    assert lin.product_q8(codes, scales).shape == (3, 20)
+    bad = {
+        "dtype": ((codes.to(torch.int8), scales, 70), "xq must be contiguous uint8"),
+        "width": ((codes[:, :64].contiguous(), scales, 70), "xq must be contiguous uint8"),
+        "k": ((codes, scales, 140), "xq must be contiguous uint8"),
+        "scales": ((codes, scales[:2], 70), "sx must be"),
+    }
+    for (xq, sx, k), message in bad.values():
+        with pytest.raises(RuntimeError, match=message):
+            ops.linear_panels_i8_q(xq, sx, k, lin.weight, lin.row_sums, lin.scale, 20, None)
+    with pytest.raises(ValueError, match="product_q8 needs w8a8"):
+        WeightOnlyLinear(_weight(20, 70), torch.int8, None).product_q8(codes, scales)

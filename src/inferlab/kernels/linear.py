@@ -279,6 +279,15 @@ class WeightOnlyLinear:
         return torch.ops.inferlab.linear_panels(x, self.weight, self.out_features, self.bias,
                                                 out_dtype == torch.bfloat16)
 
+    def product_q8(self, xq: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
+        """x @ W^T (+ bias) from x already quantized for w8a8's panels (u8 codes per group of 64
+        and their scales, as fused.cpp's add_rms_norm_q8_ and silu_mul_q8 make them): the bits
+        `kernel` gives for the float32 rows those codes were made from."""
+        if not self.i8_panels:
+            raise ValueError("product_q8 needs w8a8 weights in panels (the avx512 variant)")
+        return torch.ops.inferlab.linear_panels_i8_q(xq, sx, self.in_features, self.weight, self.row_sums, self.scale,
+                                                     self.out_features, self.bias)
+
     def fallback(self, x: torch.Tensor) -> torch.Tensor:
         """Plain torch, same math: the weight dequantized to x's dtype, then F.linear."""
         bias = None if self.bias is None else self.bias.to(x.dtype)

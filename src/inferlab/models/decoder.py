@@ -145,6 +145,10 @@ class DecoderModel:
         # kernels run the model, else torch's; models/attention.py).
         self.bf16_products = precision.bf16_products
         self.prefill_attention = precision.prefill_attention
+        # w8a8 in panels (the avx512 variant): the norms and SiLU hand the next product their rows
+        # as int8 codes (fused.cpp's *_q8), not float32 rows it quantizes again.
+        first = self.layers[0].qkv if self.layers else None
+        self.q8_epilogues = self.backends.fused_layers and isinstance(first, WeightOnlyLinear) and first.i8_panels
         self._step: object | None = None  # torch.classes.inferlab.DecoderStep, built on first use
         self._step_caches: list | None = None
         line = self.describe_precision()
@@ -232,6 +236,7 @@ class DecoderModel:
         # output to bf16 once for the next product: the same roundings as through float32
         # (bitwise), without the conversions (kernels/linear.py product_bf16).
         bf16 = fused and self.bf16_products and t >= MKL_MIN_ROWS
+        q8 = self.q8_epilogues
 
         def add_norm(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, round_bf16: bool) -> torch.Tensor:
             if delta is None:
@@ -249,8 +254,11 @@ class DecoderModel:
             sin = self.sin.index_select(0, positions).unsqueeze(1)
         delta: torch.Tensor | None = None
         for layer, cache in zip(self.layers, kv_caches):
-            h = add_norm(x, delta, layer.input_norm, bf16)
-            qkv = layer.qkv.product_bf16(h, torch.float32) if bf16 else layer.qkv(h)
+            if q8 and delta is not None:  # w8a8: the normed rows go over as codes
+                qkv = layer.qkv.product_q8(*ops.add_rms_norm_q8_(x, delta, layer.input_norm, c.rms_norm_eps))
+            else:
+                h = add_norm(x, delta, layer.input_norm, bf16)
+                qkv = layer.qkv.product_bf16(h, torch.float32) if bf16 else layer.qkv(h)
             v = qkv[:, self.q_size + self.kv_size :].view(t, c.num_kv_heads, c.head_dim)  # fresh prompts read it
             if fused:  # rotate q and k, write k and v into the cache: one operator
                 q, k = ops.rope_write_kv(qkv, positions, self.cos, self.sin, cache.k, cache.v, meta.slot_mapping,
@@ -264,6 +272,11 @@ class DecoderModel:
                 write_kv(cache, meta.slot_mapping, k, v)
             attn = paged_attention(q, k, v, cache, meta, self.scale, kv_written=True, prefill=self.prefill_attention,
                                    bf16_decode=self.precision.bf16_decode_attention)
+            if q8:
+                gate_up = layer.gate_up.product_q8(*ops.add_rms_norm_q8_(x, layer.o(attn), layer.post_norm,
+                                                                         c.rms_norm_eps))
+                delta = layer.down.product_q8(*ops.silu_mul_q8(gate_up))
+                continue
             h = add_norm(x, product(layer.o, attn), layer.post_norm, bf16)
             gate_up = product(layer.gate_up, h)
             if fused:

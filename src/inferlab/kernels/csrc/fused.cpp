@@ -10,6 +10,9 @@
 //       (a fresh prompt attends to its own k and v without reading the cache back)
 //   silu_mul(x) -> out                                 x = [gate | up] -> silu(gate) * up
 //                                                      (float32, or bfloat16 in and out)
+//   add_rms_norm_q8_(x, residual, weight, eps) -> (codes, scales)
+//   silu_mul_q8(x) -> (codes, scales)                  (the AVX-512 VNNI variant) the same rows,
+//       handed to w8a8's next product already quantized (linear_panels_i8_q): see below
 //
 // float32 activations (silu_mul also bf16; the caches may be 16-bit): the callers use them on the float32 compute path and fall back to torch
 // operators otherwise.
@@ -17,6 +20,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "matvec.h"  // quantize_row_u8, i8_groups (w8a8's activation codes)
 #include "rows.h"
 
 #include <optional>
@@ -181,6 +185,70 @@ at::Tensor silu_mul(const at::Tensor& x) {
   return out;
 }
 
+#if INFERLAB_I8_PANELS
+// w8a8's products take x as u8 codes per group of 64 (matvec.h quantize_row_u8). Why these: a
+// norm's or SiLU's float32 rows (1.2 MB for a 512-token prompt at SmolLM2's 576, 3.1 MB out of
+// SiLU at 1,536) were written out, then read back by linear_panels_i8 to be quantized, after the
+// product before had pushed them out of L2 (the norm took ~240 us a call inside a prefill against
+// ~60 us alone). Here each row is quantized while it is still in L1, and only its codes (a
+// quarter of the bytes) and scales are written: the codes linear_panels_i8 would have made of
+// the same float32 row, bit for bit (`linear_panels_i8_q` multiplies them).
+std::tuple<at::Tensor, at::Tensor> q8_outputs(const at::Tensor& like, int64_t t, int64_t n) {
+  const int64_t groups = inferlab_matvec::i8_groups(n);
+  return {at::empty({t, groups * inferlab_matvec::kI8Group}, like.options().dtype(at::kByte)),
+          at::empty({t, groups}, like.options().dtype(at::kFloat))};
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_q8_(at::Tensor x, const at::Tensor& residual, const at::Tensor& weight,
+                                                    double eps) {
+  check_f32(x, "x");
+  check_f32(residual, "residual");
+  check_f32(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes(), "x and residual must be the same [T, hidden]");
+  const int64_t t = x.size(0), n = x.size(1);
+  TORCH_CHECK(weight.numel() == n, "weight must have ", n, " elements");
+  auto [codes, scales] = q8_outputs(x, t, n);
+  const int64_t ld = codes.size(1), groups = scales.size(1);
+  float* xp = x.data_ptr<float>();
+  const float* rp = residual.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  float* sp = scales.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> row;  // the normed row, then its codes
+    row.resize(n);
+    for (int64_t i = begin; i < end; ++i) {
+      float* xr = xp + i * n;
+      add_row(xr, rp + i * n, n);
+      rms_norm_row(xr, wp, n, feps, row.data());
+      inferlab_matvec::quantize_row_u8(row.data(), n, cp + i * ld, sp + i * groups);
+    }
+  });
+  return {codes, scales};
+}
+
+std::tuple<at::Tensor, at::Tensor> silu_mul_q8(const at::Tensor& x) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "x must be [M, 2 * I]");
+  const int64_t m = x.size(0), n = x.size(1) / 2;
+  auto [codes, scales] = q8_outputs(x, m, n);
+  const int64_t ld = codes.size(1), groups = scales.size(1);
+  const float* xp = x.data_ptr<float>();
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  float* sp = scales.data_ptr<float>();
+  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> row;
+    row.resize(n);
+    for (int64_t i = begin; i < end; ++i) {
+      silu_mul_row(xp + i * 2 * n, xp + i * 2 * n + n, n, row.data());
+      inferlab_matvec::quantize_row_u8(row.data(), n, cp + i * ld, sp + i * groups);
+    }
+  });
+  return {codes, scales};
+}
+#endif
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(inferlab, m) {
@@ -189,10 +257,18 @@ TORCH_LIBRARY_FRAGMENT(inferlab, m) {
         "Tensor(b!) v_cache, Tensor slots, int num_heads, int num_kv_heads, int head_dim, "
         "Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor x) -> Tensor");
+#if INFERLAB_I8_PANELS
+  m.def("add_rms_norm_q8_(Tensor(a!) x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_mul_q8(Tensor x) -> (Tensor, Tensor)");
+#endif
 }
 
 TORCH_LIBRARY_IMPL(inferlab, CPU, m) {
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("rope_write_kv", &rope_write_kv);
   m.impl("silu_mul", &silu_mul);
+#if INFERLAB_I8_PANELS
+  m.impl("add_rms_norm_q8_", &add_rms_norm_q8_);
+  m.impl("silu_mul_q8", &silu_mul_q8);
+#endif
 }

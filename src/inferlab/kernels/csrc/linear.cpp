@@ -41,6 +41,10 @@
 //       them ([ceil(n / 16), ceil(K / 64) * 16, 16, 4]), corr their group corrections
 //       (panel_corrections_i8, int32 [ceil(n / 16), ceil(K / 64), 16]), scale float32 [n]: x
 //       quantized per group of 64 and vpdpbusd at every row count, 64 rows a pass over the weights.
+//   linear_panels_i8_q(Tensor xq, Tensor sx, int k, Tensor panels, Tensor corr, Tensor scale, int n,
+//                      Tensor? bias=None) -> Tensor
+//       (the same variant) the same product from x already quantized: xq uint8 [M, ceil(k / 64) * 64]
+//       (q + 128, padded with 128), sx float32 [M, ceil(k / 64)] (fused.cpp's *_q8 operators).
 //   panel_rows(Tensor panels, Tensor ids, int k) -> Tensor
 //       rows `ids` of a matrix in either panel layout, float32 [len(ids), k] (an embedding lookup).
 // x may have any leading dimensions ([..., K] -> [..., N]).
@@ -290,21 +294,46 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t 
 #endif
 
 #if INFERLAB_I8_PANELS
+// The checks both w8a8 operators share: panels, corrections and scales of an [n, K] matrix.
+void check_i8_panels(const char* name, int64_t K, const at::Tensor& panels, const at::Tensor& corr,
+                     const at::Tensor& scale, int64_t n) {
+  const int64_t groups = i8_groups(K), np = (n + kPanel - 1) / kPanel;
+  TORCH_CHECK(panels.scalar_type() == at::kChar && panels.dim() == 4 && panels.is_contiguous() && n > 0 &&
+                  panels.size(0) == np && panels.size(1) == groups * kI8Group / 4 && panels.size(2) == kPanel &&
+                  panels.size(3) == 4,
+              "inferlab ", name, ": panels must be contiguous int8 [", np, ", ", groups * kI8Group / 4, ", ",
+              kPanel, ", 4] (pack_panels_i8 of ", n, " x ", K, " codes), got ", panels.sizes());
+  TORCH_CHECK(corr.scalar_type() == at::kInt && corr.is_contiguous() && corr.numel() == np * groups * kPanel,
+              "inferlab ", name, ": corr must be contiguous int32 [", np, ", ", groups, ", ", kPanel,
+              "] (panel_corrections_i8)");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n,
+              "inferlab ", name, ": scale must be a contiguous float32 vector of ", n, " values");
+}
+
+// y [M, n] from x's codes (u8, rows of i8_groups(K) * 64) and group scales [M, groups]: 64 rows
+// a pass over the weights, each pass's panels shared out over the threads.
+void products_i8(const uint8_t* qp, const float* sp, int64_t M, int64_t K, const at::Tensor& panels,
+                 const at::Tensor& corr, const at::Tensor& scale, int64_t n, const float* bias_p, float* yp) {
+  const int64_t groups = i8_groups(K), ldx = groups * kI8Group, np = (n + kPanel - 1) / kPanel;
+  const int8_t* wp = panels.data_ptr<int8_t>();
+  const int32_t* cp = corr.data_ptr<int32_t>();
+  const float* scp = scale.data_ptr<float>();
+  for (int64_t m0 = 0; m0 < M; m0 += kPanelRowBlock) {
+    const int64_t mm = std::min(kPanelRowBlock, M - m0);
+    for_block_chunks(np, [&](int64_t p0, int64_t p1) {
+      const int64_t c0 = p0 * kPanel, c1 = std::min(n, p1 * kPanel);
+      panel_products_i8(qp + m0 * ldx, sp + m0 * groups, mm, K, wp, cp, c0, c1 - c0, scp, bias_p, yp + m0 * n + c0, n,
+                        m0 == 0);
+    }, kPanelsPerTileI8);
+  }
+}
+
 at::Tensor linear_panels_i8(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& corr,
                             const at::Tensor& scale, int64_t n, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "inferlab linear_panels_i8: x must be float32, got ", x.scalar_type());
   TORCH_CHECK(x.dim() >= 1, "inferlab linear_panels_i8: x must have at least one dimension");
-  const int64_t K = x.size(-1), groups = i8_groups(K), np = (n + kPanel - 1) / kPanel;
-  TORCH_CHECK(panels.scalar_type() == at::kChar && panels.dim() == 4 && panels.is_contiguous() && n > 0 &&
-                  panels.size(0) == np && panels.size(1) == groups * kI8Group / 4 && panels.size(2) == kPanel &&
-                  panels.size(3) == 4,
-              "inferlab linear_panels_i8: panels must be contiguous int8 [", np, ", ", groups * kI8Group / 4, ", ",
-              kPanel, ", 4] (pack_panels_i8 of ", n, " x ", K, " codes), got ", panels.sizes());
-  TORCH_CHECK(corr.scalar_type() == at::kInt && corr.is_contiguous() && corr.numel() == np * groups * kPanel,
-              "inferlab linear_panels_i8: corr must be contiguous int32 [", np, ", ", groups, ", ", kPanel,
-              "] (panel_corrections_i8)");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n,
-              "inferlab linear_panels_i8: scale must be a contiguous float32 vector of ", n, " values");
+  const int64_t K = x.size(-1), groups = i8_groups(K);
+  check_i8_panels("linear_panels_i8", K, panels, corr, scale, n);
   const float* bias_p = vector_or_null(bias, n, "linear_panels_i8", "bias");
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0), ldx = groups * kI8Group;
@@ -320,19 +349,31 @@ at::Tensor linear_panels_i8(const at::Tensor& x, const at::Tensor& panels, const
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     quantize_rows_u8(xp + m0 * K, m1 - m0, K, qp + m0 * ldx, sp + m0 * groups);
   });
-  const int8_t* wp = panels.data_ptr<int8_t>();
-  const int32_t* cp = corr.data_ptr<int32_t>();
-  const float* scp = scale.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  for (int64_t m0 = 0; m0 < M; m0 += kPanelRowBlock) {
-    const int64_t mm = std::min(kPanelRowBlock, M - m0);
-    for_block_chunks(np, [&](int64_t p0, int64_t p1) {
-      const int64_t c0 = p0 * kPanel, c1 = std::min(n, p1 * kPanel);
-      panel_products_i8(qp + m0 * ldx, sp + m0 * groups, mm, K, wp, cp, c0, c1 - c0, scp, bias_p, yp + m0 * n + c0, n,
-                        m0 == 0);
-    }, kPanelsPerTileI8);
-  }
+  products_i8(qp, sp, M, K, panels, corr, scale, n, bias_p, y.data_ptr<float>());
   return y.view(out_sizes);
+}
+
+// The same product from x already quantized (fused.cpp's add_rms_norm_q8_ / silu_mul_q8 hand
+// their rows over as codes): the same codes give the same bits as linear_panels_i8 of the
+// float32 rows they were made from.
+at::Tensor linear_panels_i8_q(const at::Tensor& xq, const at::Tensor& sx, int64_t k, const at::Tensor& panels,
+                              const at::Tensor& corr, const at::Tensor& scale, int64_t n,
+                              const std::optional<at::Tensor>& bias) {
+  const int64_t groups = i8_groups(k);
+  TORCH_CHECK(k > 0 && xq.scalar_type() == at::kByte && xq.dim() == 2 && xq.is_contiguous() &&
+                  xq.size(1) == groups * kI8Group,
+              "inferlab linear_panels_i8_q: xq must be contiguous uint8 [M, ", groups * kI8Group, "] (codes of ", k,
+              " features), got ", xq.scalar_type(), " ", xq.sizes());
+  TORCH_CHECK(sx.scalar_type() == at::kFloat && sx.is_contiguous() && sx.dim() == 2 && sx.size(0) == xq.size(0) &&
+                  sx.size(1) == groups,
+              "inferlab linear_panels_i8_q: sx must be contiguous float32 [", xq.size(0), ", ", groups, "]");
+  check_i8_panels("linear_panels_i8_q", k, panels, corr, scale, n);
+  const float* bias_p = vector_or_null(bias, n, "linear_panels_i8_q", "bias");
+  const int64_t M = xq.size(0);
+  at::Tensor y = at::empty({M, n}, sx.options());
+  if (M > 0) products_i8(xq.data_ptr<uint8_t>(), sx.data_ptr<float>(), M, k, panels, corr, scale, n, bias_p,
+                         y.data_ptr<float>());
+  return y;
 }
 #endif
 
@@ -416,6 +457,8 @@ TORCH_LIBRARY_FRAGMENT(inferlab, m) {
 #endif
 #if INFERLAB_I8_PANELS
   m.def("linear_panels_i8(Tensor x, Tensor panels, Tensor corr, Tensor scale, int n, Tensor? bias=None) -> Tensor");
+  m.def("linear_panels_i8_q(Tensor xq, Tensor sx, int k, Tensor panels, Tensor corr, Tensor scale, int n, "
+        "Tensor? bias=None) -> Tensor");
 #endif
 }
 
@@ -429,5 +472,6 @@ TORCH_LIBRARY_IMPL(inferlab, CPU, m) {
 #endif
 #if INFERLAB_I8_PANELS
   m.impl("linear_panels_i8", &linear_panels_i8);
+  m.impl("linear_panels_i8_q", &linear_panels_i8_q);
 #endif
 }
