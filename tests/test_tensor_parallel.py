@@ -238,3 +238,18 @@ def test_a_rank_with_other_kernels_says_which_field_differs():
     dtypes = dataclasses.replace(p, kv_cache=torch.bfloat16, weights=torch.float16)
     assert precision_mismatch(dtypes, p).count(" against ") == 2 and "other sources" not in precision_mismatch(dtypes, p)
 
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(build.kernel_info().int8_dot != "vpdpbusd",
+                    reason=f"w8a8's codes in panels are the VNNI variant's (AVX512_VNNI); this process has "
+                           f"{build.kernel_info().variant}")
+def test_tp2_runs_w8a8_in_panels_where_the_norms_and_silu_hand_over_codes(llama):
+    # The row-parallel down_proj takes SiLU's codes (RowParallelLinear.product_q8) and sums the
+    # ranks' partial products. Not tp=1's bits: a rank quantizes its own slice of the rows, in
+    # groups of 64 of its slice, and tp=1's decode steps run the one-call decode step; on this
+    # tiny model's random weights the logits part by ~0.04-0.08 (of ~2.5), then a near-tie.
+    tokens1, logits1 = _run(llama, 1, dtype="auto", weight_dtype="w8a8")
+    tokens2, logits2 = _run(llama, 2, dtype="auto", weight_dtype="w8a8")
+    assert [t[:4] for t in tokens2] == [t[:4] for t in tokens1]
+    assert float((logits1[0] - logits2[0]).abs().max()) < 0.2

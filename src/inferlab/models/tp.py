@@ -187,7 +187,7 @@ def shard_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor | Int4
 class RowParallelLinear:
     """A row-parallel linear (o_proj, down_proj): this rank's partial product, summed over the
     ranks by one all-reduce. Stands where the decoder's Linear stands (`__call__`,
-    `product_bf16`, `nbytes`)."""
+    `product_bf16`, `product_q8`, `nbytes`)."""
 
     def __init__(self, inner: Linear, comm: Collectives):
         self.inner = inner
@@ -198,6 +198,9 @@ class RowParallelLinear:
 
     def product_bf16(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         return self.comm.all_reduce(self.inner.product_bf16(x, out_dtype))  # type: ignore[union-attr]
+
+    def product_q8(self, xq: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(self.inner.product_q8(xq, sx))  # type: ignore[union-attr]
 
     @property
     def nbytes(self) -> int:
