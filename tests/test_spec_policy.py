@@ -68,7 +68,7 @@ def test_with_rows_that_never_vary_the_start_up_measure_sets_the_row_cost():
     def lockstep(base_cost: float | None) -> SpecPolicy:
         p = SpecPolicy(4)
         if base_cost is not None:
-            p.base_cost, p.row_cost_ratio = base_cost, 1 / 12
+            p.base_cost, p.row_cost_ratio, p.base_ratio = base_cost, 1 / 12, 1 / 12
         for _ in range(50):
             p.observe_step(32, 0.0416)  # 8 ms + 1.05 ms x 32: a 2-core Zen 4 at ~250-token contexts
         accepting(p, "r", 0.89)
@@ -79,11 +79,33 @@ def test_with_rows_that_never_vary_the_start_up_measure_sets_the_row_cost():
     assert lockstep(None).best_drafts("r", batch=32) > 0
     assert lockstep(0.008).best_drafts("r", batch=32) == 0
     assert lockstep(0.008).best_drafts("r", batch=1) > 0  # at one stream drafting still pays
-    # A faster spell than at start-up: never below the measured b / a.
-    p = SpecPolicy(4, base_cost=0.008, row_cost_ratio=1 / 12)
+    # A faster spell than at start-up: a row never a smaller share of a than start-up's b / a,
+    # and the line still through the steps' mean.
+    p = SpecPolicy(4, base_cost=0.008, row_cost_ratio=1 / 12, base_ratio=1 / 12)
     for _ in range(50):
         p.observe_step(32, 0.020)
-    assert p.step_cost()[1] == pytest.approx(0.008 / 12)
+    a, b = p.step_cost()
+    assert b / a == pytest.approx(1 / 12) and a + 32 * b == pytest.approx(0.020)
+
+
+def test_lock_step_after_varying_rows_is_modelled_through_its_own_mean():
+    """Drafting workloads vary the rows and their slope fit may put most of a step on the rows
+    (here b / a = 0.48); the lock-step steps after them (32 streams of chat, nothing drafted) must
+    still be modelled at what they measure, not at that ratio times the start-up a."""
+    p = SpecPolicy(4, shadow_probes=True, base_cost=0.008, row_cost_ratio=1 / 12, base_ratio=1 / 12)
+    for i in range(200):
+        rows = 32 + (i % 5) * 32
+        p.observe_step(rows, 0.0025 + 0.0012 * rows)
+    a, b = p.step_cost()
+    assert b / a == pytest.approx(0.48)  # the slope fit
+    for _ in range(400):
+        p.observe_step(32, 0.040)
+    a, b = p.step_cost()
+    assert a + 32 * b == pytest.approx(0.040, rel=1e-2)
+    assert (a, b) == pytest.approx((0.008, 0.001), rel=2e-2)
+    # The shadow spacing follows the step measured: 32 searches of 0.2 ms against 0.25% of 40 ms.
+    p.observe_proposal(0.0002 * 10, 0, num_requests=10)
+    assert p.shadow_every(32) == math.ceil(32 * 0.0002 / (SHADOW_SHARE * (a + 32 * b)))
 
 
 def test_shadow_probes_are_spaced_by_what_the_proposer_costs():

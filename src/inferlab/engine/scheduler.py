@@ -106,7 +106,8 @@ class Scheduler:
             a, b = step_cost or (None, None)
             self.policy = SpecPolicy(speculative_config.num_speculative_tokens,
                                      shadow_probes=speculative_config.method != "draft_model",
-                                     row_cost_ratio=b / a if a and b else PRIOR_ROW_COST, base_cost=a)
+                                     row_cost_ratio=b / a if a and b else PRIOR_ROW_COST, base_cost=a,
+                                     base_ratio=b / a if a and b else PRIOR_ROW_COST)
         self.spec_stats = SpecDecodeStats()  # cumulative
 
     # ------------------------------------------------------------------ requests in and out

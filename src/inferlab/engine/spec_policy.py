@@ -11,7 +11,8 @@ expected to add outweigh the time they add. The rule, with measured numbers:
   streams in lock step: every step 32 rows, a few more when drafts ride along), a is the fixed
   part the engine measured at start-up (llm_engine.py `_measure_step_cost`: decode steps of 1
   and of up to 32 rows) and b what the measured steps cost beyond it per row, their real
-  contexts' attention included, never below the start-up b / a. Before, b / a was a prior 1/16
+  contexts' attention included, never a smaller share of a than the start-up b / a (the line
+  always through the steps' measured mean). Before, b / a was a prior 1/16
   (a Zen 5's): on a 2-core Zen 4 a row costs ~1/8 of a (8 ms + 1.05 ms x 32 rows at ~250-token
   contexts), 32 rows looked cheap, and drafts at 32 streams kept 89% of the time lost 2%. b is
   the verify cost of a draft: a row through every layer, the lm_head and the sampler;
@@ -141,6 +142,7 @@ class SpecPolicy:
     shadow_probes: bool = False  # probes proposed and checked against the decoded tokens, not verified
     row_cost_ratio: float = PRIOR_ROW_COST  # b / a while the rows do not vary: start-up's, then each fit's
     base_cost: float | None = None  # a in seconds, measured at start-up (see _fit)
+    base_ratio: float = PRIOR_ROW_COST  # b / a measured at start-up: a row's least share of a (see _fit)
     # Exponentially weighted sums for the least-squares fit of step time on rows.
     _w: float = 0.0
     _x: float = 0.0
@@ -243,9 +245,16 @@ class SpecPolicy:
         if self.base_cost is not None:
             # The fixed part (the weights read once) hardly moves with the contexts; what the rows
             # at this batch cost beyond it is what the steps measure, real contexts included (a
-            # start-up measure attends to short shared ones). Never below the measured ratio.
-            b = max((my - self.base_cost) / mx, r * self.base_cost)
-            return max(my - b * mx, self.base_cost / 10), b
+            # start-up measure attends to short shared ones). A row never costs a smaller share of
+            # a than at start-up: in a faster spell both shrink. Either way the line goes through
+            # the steps' mean. (The floor was the last slope fit's b / a, times a: after drafting
+            # workloads fitted 0.48, 32-stream chat was modelled at 136 ms a step against 40
+            # measured, and shadow probes came 3.4x as often as SHADOW_SHARE allows.)
+            b = (my - self.base_cost) / mx
+            if b >= self.base_ratio * self.base_cost:
+                return self.base_cost, b
+            a = my / (1 + self.base_ratio * mx)
+            return a, self.base_ratio * a
         a = my / (1 + r * mx)
         return a, a * r
 
