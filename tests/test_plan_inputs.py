@@ -231,3 +231,26 @@ def test_measure_cpu_small(tmp_path):
     assert spec.memory_bytes > 0
     save_hardware_file(spec, tmp_path / "cpu.json")
     assert load_hardware_file(tmp_path / "cpu.json").memory_bandwidth == spec.memory_bandwidth
+
+
+def test_int8_rate_is_the_faster_library_and_names_it(monkeypatch):
+    """Without VNNI, torch._int_mm is a reference loop (1-2 GOP/s on an AVX2 EPYC) and held w8a8's
+    products to a hundredth of what they run at: the quantized engine's GEMM is measured beside it."""
+    import torch
+
+    from inferlab.plan import measure
+
+    if not any(e in torch.backends.quantized.supported_engines for e in ("x86", "fbgemm", "onednn")):
+        pytest.skip("torch has no quantized CPU engine here")
+    engine_before = torch.backends.quantized.engine
+
+    def no_int_mm(a, b):
+        raise RuntimeError("_int_mm: not on this CPU")
+
+    monkeypatch.setattr(torch, "_int_mm", no_int_mm)
+    rate, how = measure._int8_rate(torch, 16, 64, 1)
+    assert rate > 0 and "by torch.ops.quantized.linear" in how and "_int_mm" not in how
+    assert torch.backends.quantized.engine == engine_before
+    monkeypatch.undo()
+    rate, how = measure._int8_rate(torch, 16, 64, 1)
+    assert "torch._int_mm" in how and "torch.ops.quantized.linear" in how  # both measured, the faster named first

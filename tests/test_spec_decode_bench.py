@@ -72,3 +72,20 @@ def test_merged_rows_carry_their_interval_over_processes() -> None:
     assert merged["interval_over"] == "processes"
     assert lo < merged["geo_mean_ratio"] < hi
     assert merged["geo_mean_ratio"] == pytest.approx(math.exp(sum(math.log(x) for x in [0.99, 1.0, 0.98, 1.01, 1.0, 1.02]) / 6))
+
+
+def test_vllm_streams_without_vllm_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    import signal
+
+    import spec_decode
+
+    monkeypatch.setattr(sys, "argv", ["spec_decode.py", "--vllm-streams", "1"])
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            spec_decode.main()
+    finally:
+        signal.signal(signal.SIGTERM, old)  # main's unwind_on_sigterm, not left to the rest of the run
+    assert exit_.value.code == 2
+    assert "--vllm-streams says where vLLM's pair runs: give --vllm too" in capsys.readouterr().err

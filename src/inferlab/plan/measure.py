@@ -3,7 +3,7 @@
 Decode reads every weight once per step, so the number that matters is read bandwidth: we
 time a sum over an array much larger than the caches. Prefill is matrix products, so we
 time a bf16, a float32 and an int8 product of a 128-row activation by a square weight (the
-shape of a small batched step). torch is imported here only, lazily, so that `inferlab plan` without
+shape of a small batched step); the int8 one by the fastest library that runs it here (`_int8_rate`). torch is imported here only, lazily, so that `inferlab plan` without
 `--measure-cpu` never pays for it; without torch the bandwidth falls back to numpy and the
 matmul rate to numpy float32.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Callable
 
 from inferlab.plan.hardware import HardwareSpec
@@ -26,6 +27,45 @@ def _best_time(fn: Callable[[], object], repeats: int) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def _int8_rate(torch, m: int, k: int, repeats: int) -> tuple[float, str] | None:  # type: ignore[no-untyped-def]
+    """The best int8 x int8 product rate a library gives here (ops/s), and which: the rate w8a8's
+    products are held against (benchmarks/profile_step.py). Two candidates, the faster kept:
+    torch._int_mm (oneDNN; vpdpbusd where the CPU has VNNI, but without it a reference loop:
+    1-2 GOP/s on an AVX2 EPYC, a hundredth of its float32 rate) and the quantized linear of
+    torch's quantized engine (fbgemm's u8 x s8 GEMM by vpmaddubsw on AVX2, the instruction our
+    avx2 kernels use). None where neither runs."""
+    work = 2.0 * m * k * k
+    rates: list[tuple[float, str]] = []
+    qa = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+    qb = torch.randint(-127, 128, (k, k), dtype=torch.int8)
+    try:
+        rates.append((work / _best_time(lambda: torch._int_mm(qa, qb), repeats), "torch._int_mm"))
+    except (RuntimeError, AttributeError):
+        pass
+    engines = torch.backends.quantized.supported_engines
+    engine = next((e for e in ("x86", "fbgemm", "onednn") if e in engines), None)
+    if engine is not None:
+        with warnings.catch_warnings():  # quantized tensors are deprecated in torch; measured while they run
+            warnings.filterwarnings("ignore", "torch.quantize_per_tensor", UserWarning)
+            before = torch.backends.quantized.engine
+            try:
+                torch.backends.quantized.engine = engine
+                w = torch.quantize_per_tensor(torch.randn(k, k), 0.02, 0, torch.qint8)
+                packed = torch.ops.quantized.linear_prepack(w, None)
+                x = torch.quantize_per_tensor(torch.randn(m, k), 0.05, 128, torch.quint8)
+                t = _best_time(lambda: torch.ops.quantized.linear(x, packed, 1.0, 128), repeats)
+                rates.append((work / t, f"torch.ops.quantized.linear ({engine} engine)"))
+            except (RuntimeError, AttributeError):
+                pass
+            finally:
+                torch.backends.quantized.engine = before
+    if not rates:
+        return None
+    best = max(rates)
+    return best[0], f"({m}×{k}) @ ({k}×{k}) by {best[1]}, the faster of " + ", ".join(
+        f"{how} {rate / 1e9:.0f} GOP/s" for rate, how in rates)
 
 
 def total_memory_bytes() -> float:
@@ -72,14 +112,12 @@ def measure_cpu(threads: int | None = None, array_mib: int = 512, repeats: int =
             a = torch.randn(m, k, dtype=dtype)
             b = torch.randn(k, k, dtype=dtype)
             flops[name] = work / _best_time(lambda a=a, b=b: a @ b, repeats)
-        # int8 x int8 -> int32 (oneDNN, VNNI where the CPU has it): the rate w8a8's products are
-        # held against (benchmarks/profile_step.py); absent where torch has no CPU _int_mm.
-        qa = torch.randint(-127, 128, (m, k), dtype=torch.int8)
-        qb = torch.randint(-127, 128, (k, k), dtype=torch.int8)
-        try:
-            flops["int8"] = work / _best_time(lambda: torch._int_mm(qa, qb), repeats)
-        except (RuntimeError, AttributeError):
-            notes.append("no int8 matmul rate: torch._int_mm does not run here")
+        int8 = _int8_rate(torch, m, k, repeats)
+        if int8 is None:
+            notes.append("no int8 matmul rate: neither torch._int_mm nor a quantized linear runs here")
+        else:
+            flops["int8"] = int8[0]
+            notes.append(f"int8 matmul: {int8[1]}")
         notes.append(f"matmul: ({m}×{k}) @ ({k}×{k}) with torch, {used_threads} threads, best of {repeats}")
     else:
         import numpy as np
