@@ -239,7 +239,6 @@ def test_a_rank_with_other_kernels_says_which_field_differs():
     assert precision_mismatch(dtypes, p).count(" against ") == 2 and "other sources" not in precision_mismatch(dtypes, p)
 
 
-
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(build.kernel_info().int8_dot != "vpdpbusd",
                     reason=f"w8a8's codes in panels are the VNNI variant's (AVX512_VNNI); this process has "

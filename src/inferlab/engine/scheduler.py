@@ -104,10 +104,10 @@ class Scheduler:
         if speculative_config is not None and speculative_config.adaptive:
             # A proposer that is not a model drafts for the price of a search: probe in shadow.
             a, b = step_cost or (None, None)
+            ratio = b / a if a and b else PRIOR_ROW_COST  # start-up's b / a: the first model and its floor
             self.policy = SpecPolicy(speculative_config.num_speculative_tokens,
                                      shadow_probes=speculative_config.method != "draft_model",
-                                     row_cost_ratio=b / a if a and b else PRIOR_ROW_COST, base_cost=a,
-                                     base_ratio=b / a if a and b else PRIOR_ROW_COST)
+                                     row_cost_ratio=ratio, base_cost=a, base_ratio=ratio)
         self.spec_stats = SpecDecodeStats()  # cumulative
 
     # ------------------------------------------------------------------ requests in and out

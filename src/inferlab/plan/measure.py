@@ -3,7 +3,8 @@
 Decode reads every weight once per step, so the number that matters is read bandwidth: we
 time a sum over an array much larger than the caches. Prefill is matrix products, so we
 time a bf16, a float32 and an int8 product of a 128-row activation by a square weight (the
-shape of a small batched step); the int8 one by the fastest library that runs it here (`_int8_rate`). torch is imported here only, lazily, so that `inferlab plan` without
+shape of a small batched step), the int8 one by the fastest library that runs it here
+(`_int8_rate`). torch is imported here only, lazily, so that `inferlab plan` without
 `--measure-cpu` never pays for it; without torch the bandwidth falls back to numpy and the
 matmul rate to numpy float32.
 """
