@@ -57,7 +57,7 @@ W8A8 = pytest.param("w8a8", 5, marks=pytest.mark.skipif(
 
 # 1 and 2 rows: the norm computed by every thread, x rows read in registers; 7: the shared norm,
 # weight blocks converted to float32 first; 40: many 3-row micro-kernel tiles and a remainder;
-# w8a8 at 5: one 4-row vpdpbusd tile and a 1-row one (avx512), five 1-row vpmaddubsw tiles (avx2).
+# w8a8 at 5: the 5 rows at once over each panel (avx512), a 4-row tile and a 1-row one (avx2).
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("weight_dtype,n_prompts", [("float32", 1), ("float16", 2), ("int8", 7), ("bfloat16", 40), W8A8])
 def test_decode_step_gives_the_per_operator_tokens_and_logprobs(models, monkeypatch, arch, weight_dtype, n_prompts):

@@ -235,7 +235,7 @@ def test_panels_pack_and_unpack_exactly(shape):
 
 @pytest.mark.parametrize("shape", [(1, 2), (17, 45), (50, 130), (96, 576)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_int8_panels_pack_unpack_and_their_corrections(shape):
-    """w8a8's panels (the VNNI variant's layout): 16 columns x quads of k, K padded to groups of
+    """w8a8's panels (both variants' layout): 16 columns x quads of k, K padded to groups of
     64 with zeros; the corrections are -128 x each column's code sums per group."""
     n, k = shape
     q, _ = quantize_int8(_weight(n, k))
@@ -449,19 +449,19 @@ def test_bf16_products_are_bf16_x_times_bf16_w_in_float32(m):
 
 needs_int8_dot = pytest.mark.skipif(
     not build.kernel_info().int8_dot,
-    reason=f"w8a8 needs our kernels' integer dot product (AVX2 vpmaddubsw or AVX512_VNNI vpdpbusd); "
+    reason=f"w8a8 needs our kernels' integer dot product (AVX2 vpmaddwd or AVX512_VNNI vpdpbusd); "
            f"this process has none ({build.unavailable_reason() or build.kernel_info().variant})")
 W8A8_CASES = [(m, k) for k in (45, 576, 600) for m in (1, 3, 4, 5, 32, 127)]  # K: a tail group, whole groups, both
 
 
-def w8a8_reference(x: torch.Tensor, lin: WeightOnlyLinear, dot: str) -> tuple[torch.Tensor, torch.Tensor]:
+def w8a8_reference(x: torch.Tensor, lin: WeightOnlyLinear) -> tuple[torch.Tensor, torch.Tensor]:
     """What w8a8 computes, in float64: x quantized per group of 64 exactly as the kernels do
     (float32 s = max|x_g| / 127 and 127 / max|x_g|, q = round half to even of x * that), each
     group's integer sum dot_g(q, codes) exact, y = sum_g dot_g * s_g * row scale + bias; and the
     bound on the float32 rounding after the integer sums, 2^-20 of what the kernel rounds: its
-    int32 lanes (partial sums of q * w: at most sum |q| |w| per group) times s_g, and with `dot`
-    vpdpbusd also 128 x the codes in them (x stored as q + 128, then -128 x the group's codes),
-    summed over groups, scaled, biased. A q one step off moves y by s_g |w| (a few times the
+    int32 lanes (partial sums of q * w: at most sum |q| |w| per group) times s_g, and also 128 x
+    the codes in them (x stored as q + 128, then -128 x the group's codes), summed over groups,
+    scaled, biased. A q one step off moves y by s_g |w| (a few times the
     bound or more); float32 products instead of the integer path, by ~1e-2 of y."""
     m, k = x.shape
     n, groups = lin.out_features, -(-k // 64)
@@ -472,9 +472,7 @@ def w8a8_reference(x: torch.Tensor, lin: WeightOnlyLinear, dot: str) -> tuple[to
     codes = F.pad(lin.codes(), (0, groups * 64 - k)).view(n, groups, 64).double()
     s = (amax / 127).double()[:, None, :] * lin.scale.double()[None, :, None]  # [m, n, groups]
     y = (torch.einsum("mgc,ngc->mng", q, codes) * s).sum(-1)
-    lanes = torch.einsum("mgc,ngc->mng", q.abs(), codes.abs())
-    if dot == "vpdpbusd":
-        lanes = lanes + 256 * codes.abs().sum(-1)[None]
+    lanes = torch.einsum("mgc,ngc->mng", q.abs(), codes.abs()) + 256 * codes.abs().sum(-1)[None]
     bias = lin.bias.double() if lin.bias is not None else torch.zeros(n, dtype=torch.float64)
     return y + bias, 2.0**-20 * ((lanes * s).sum(-1) + (y + bias).abs()) + 1e-30
 
@@ -492,12 +490,10 @@ def w8a8_outputs(expect_variant: str = "") -> dict[tuple[int, int], tuple[torch.
         bias = torch.randn(n, generator=torch.Generator().manual_seed(k))
         lin = WeightOnlyLinear(_weight(n, k), torch.int8, bias, int8_activations=True)
         assert lin.int8_x
-        # vpdpbusd's codes in panels with their corrections; the sign trick (vpmaddubsw) has none
-        want_sums = (-(-n // 16), -(-k // 64), 16) if kernel.int8_dot == "vpdpbusd" else None
-        assert (None if lin.row_sums is None else tuple(lin.row_sums.shape)) == want_sums
+        assert tuple(lin.row_sums.shape) == (-(-n // 16), -(-k // 64), 16)  # codes in panels, their corrections
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m))
         x[:, 1] *= 30  # an outlier channel: its group's scale is coarse, the others' are not
-        want, bound = w8a8_reference(x, lin, kernel.int8_dot)
+        want, bound = w8a8_reference(x, lin)
         y = lin(x)
         err = (y.double() - want).abs()
         assert bool((err <= bound).all()), (m, k, kernel.variant, float((err / bound).max()))
@@ -508,13 +504,13 @@ def w8a8_outputs(expect_variant: str = "") -> dict[tuple[int, int], tuple[torch.
 @needs_int8_dot
 @pytest.mark.parametrize("m, k", W8A8_CASES)
 def test_w8a8_is_int8_x_per_64_values_times_the_codes(m, k):
-    """weight_dtype w8a8, on this process's variant (vpdpbusd on avx512, vpmaddubsw's sign trick
-    on avx2): x quantized per group of 64 values (symmetric, round half to even), each group's
+    """weight_dtype w8a8, on this process's variant (vpdpbusd on avx512, vpmaddwd on avx2): x
+    quantized per group of 64 values (symmetric, round half to even), each group's
     integer sum exact, then the scales; against that math in float64, to float32's rounding."""
     n = 37
     lin = WeightOnlyLinear(_weight(n, k), torch.int8, torch.randn(n), int8_activations=True)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m))
-    want, bound = w8a8_reference(x, lin, build.kernel_info().int8_dot)
+    want, bound = w8a8_reference(x, lin)
     y = lin(x)
     assert bool(((y.double() - want).abs() <= bound).all())
     plain = WeightOnlyLinear(_weight(n, k), torch.int8, torch.randn(n))  # weight-only int8
@@ -554,9 +550,9 @@ def _variant_in_child(variant: str, code: str) -> None:
 
 @needs_int8_dot
 def test_w8a8_gives_the_same_results_on_both_variants(tmp_path):
-    """avx2 (vpmaddubsw) and avx512 (vpdpbusd) compute the same integer group sums, so their
-    outputs differ by float32's rounding of the scaled sums only; each is also checked against
-    the float64 reference. The variant this process did not load runs in a child process."""
+    """avx2 (vpmaddwd) and avx512 (vpdpbusd) compute the same integer group sums from the same
+    panels, so their outputs differ by float32's rounding of the scaled sums at most; each is
+    also checked against the float64 reference. The variant this process did not load runs in a child process."""
     missing = {v: sorted(set(build.VARIANTS[v][0]) - build.cpu_flags()) for v in ("avx512", "avx2")}
     if any(missing.values()):
         pytest.skip("this CPU lacks " + "; ".join(f"{', '.join(f)} ({v})" for v, f in missing.items() if f))
@@ -573,24 +569,15 @@ def test_w8a8_gives_the_same_results_on_both_variants(tmp_path):
 
 
 @needs_int8_dot
-def test_w8a8_codes_are_laid_out_for_the_variants_instruction():
-    """vpdpbusd (avx512): panels and their corrections, and linear_w8 refuses int8 x (that path
-    is the rows'); vpmaddubsw (avx2): the [N, K] codes, no corrections."""
+def test_w8a8_codes_are_laid_out_in_panels_on_every_variant():
+    """vpdpbusd (avx512) and vpmaddwd (avx2) multiply the same layout: panels and their
+    corrections, one copy of the codes, which unpack to the [N, K] matrix."""
     lin = WeightOnlyLinear(_weight(8, 130), torch.int8, None, int8_activations=True)
-    x, ops = torch.randn(2, 130), torch.ops.inferlab
-    codes = quantize_int8(_weight(8, 130))[0]
-    assert torch.equal(lin.codes(), codes)
-    if build.kernel_info().int8_dot == "vpdpbusd":
-        assert lin.i8_panels and lin.weight.shape == (1, 48, 16, 4) and lin.row_sums is not None
-        with pytest.raises(RuntimeError, match="panels: linear_panels_i8"):
-            ops.linear_w8(x, codes, lin.scale, None, MKL_MIN_ROWS, True)
-    else:
-        assert not lin.i8_panels and lin.weight.shape == (8, 130) and lin.row_sums is None
+    assert torch.equal(lin.codes(), quantize_int8(_weight(8, 130))[0])
+    assert lin.i8_panels and lin.weight.shape == (1, 48, 16, 4) and tuple(lin.row_sums.shape) == (1, 3, 16)
 
 
-@pytest.mark.skipif(build.kernel_info().int8_dot != "vpdpbusd",
-                    reason=f"linear_panels_i8 is the VNNI variant's (AVX512_VNNI); this process has "
-                           f"{build.kernel_info().variant}")
+@needs_int8_dot
 def test_linear_panels_i8_refuses_mismatched_inputs():
     lin = WeightOnlyLinear(_weight(20, 70), torch.int8, torch.randn(20), int8_activations=True)
     x, ops = torch.randn(3, 70), torch.ops.inferlab
@@ -609,16 +596,13 @@ def test_linear_panels_i8_refuses_mismatched_inputs():
 
 
 @needs_int8_dot
-@pytest.mark.skipif(build.kernel_info().int8_dot != "vpdpbusd",
-                    reason=f"int8 x at prefill sizes is the VNNI panels' (AVX512_VNNI); this process has "
-                           f"{build.kernel_info().variant}, whose w8a8 multiplies float32 tiles from {MKL_MIN_ROWS} rows")
 @pytest.mark.parametrize("m", [MKL_MIN_ROWS, 200])
 def test_w8a8_panels_quantize_x_at_prefill_sizes_too(m):
     """One copy of the codes, one numerics for every row count: 64 rows a pass over the panels."""
     n, k = 50, 600
     lin = WeightOnlyLinear(_weight(n, k), torch.int8, torch.randn(n), int8_activations=True)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    want, bound = w8a8_reference(x, lin, "vpdpbusd")
+    want, bound = w8a8_reference(x, lin)
     assert bool(((lin(x).double() - want).abs() <= bound).all())
 
 
@@ -683,12 +667,7 @@ def test_rows_our_kernels_hand_to_onednn_are_bucketed(dtype):
 
 
 
-VNNI_PANELS = pytest.mark.skipif(build.kernel_info().int8_dot != "vpdpbusd",
-                                 reason=f"w8a8's codes in panels are the VNNI variant's (AVX512_VNNI); this process has "
-                                        f"{build.kernel_info().variant}")
-
-
-@VNNI_PANELS
+@needs_int8_dot
 @pytest.mark.parametrize("m", [1, 5, 64, 200])
 @pytest.mark.parametrize("k", [64, 70, 576])
 def test_w8a8_norm_and_silu_hand_over_the_codes_the_product_would_make(m, k):
@@ -709,7 +688,7 @@ def test_w8a8_norm_and_silu_hand_over_the_codes_the_product_would_make(m, k):
     assert torch.equal(lin.product_q8(*ops.silu_mul_q8(gate_up)), lin(ops.silu_mul(gate_up)))
 
 
-@VNNI_PANELS
+@needs_int8_dot
 def test_linear_panels_i8_q_refuses_mismatched_codes():
     lin = WeightOnlyLinear(_weight(20, 70), torch.int8, None, int8_activations=True)
     ops = torch.ops.inferlab

@@ -11,8 +11,8 @@ torch's libgomp is the one already loaded; a second OpenMP runtime would fight i
 One decision per machine, made once from the CPU's flags (/proc/cpuinfo) and frozen in
 `kernel_info()`: the AVX-512 variant (F/BW/VL/DQ + BF16 + VNNI: bf16 weights multiplied with
 vdpbf16ps, int8 with vpdpbusd) where every one of those flags is there, else the AVX2 variant
-(AVX2 + FMA + F16C; the same flags and code as before the AVX-512 variant existed, int8 x int8
-with vpmaddubsw), else none
+(AVX2 + FMA + F16C; the same flags and code as before the AVX-512 variant existed, w8a8's int8
+x int8 with vpmaddwd on the same panels), else none
 (plain torch operators). `INFERLAB_KERNELS` overrides it: 0 turns the kernels off, avx2 asks for
 the AVX2 variant on any CPU that has it (A/B runs on an AVX-512 machine), avx512 for the
 AVX-512 one; a variant the CPU lacks, or an unknown value, is a one-line error.
@@ -64,8 +64,9 @@ class KernelInfo:
     variant: "avx512", "avx2" or "none" (plain torch). reason: why "none" (or why not the best
     variant), empty otherwise. bf16_dot: the decode kernels multiply bf16 weights with
     vdpbf16ps (activations rounded to bf16 per row, float32 sums). int8_dot: the integer dot
-    product that int8 weights with int8 activations (weight_dtype w8a8) and int4 weights run on,
-    "vpdpbusd" (VNNI) or "vpmaddubsw" (AVX2's sign trick), or "" (no kernels: no w8a8).
+    product that int8 weights with int8 activations (weight_dtype w8a8) run on, codes in panels,
+    "vpdpbusd" (VNNI) or "vpmaddwd" (AVX2: codes widened to int16), or "" (no kernels: no w8a8);
+    int4_dot: the one 4-bit weights run on ("vpmaddubsw" on AVX2: 4-bit codes do not saturate it).
     auto_weight_dtype: what weight_dtype "auto" stores when compute is float32 ("bfloat16",
     "float16", or "" for none: the compute dtype).
     """
@@ -86,6 +87,10 @@ class KernelInfo:
 
     @property
     def int8_dot(self) -> str:
+        return {"avx512": "vpdpbusd", "avx2": "vpmaddwd"}.get(self.variant, "")
+
+    @property
+    def int4_dot(self) -> str:
         return {"avx512": "vpdpbusd", "avx2": "vpmaddubsw"}.get(self.variant, "")
 
     @property
@@ -97,14 +102,15 @@ class KernelInfo:
         if not self.available:
             return f"inferlab CPU kernels: none ({self.reason}); plain torch operators"
         path = ("bf16 weights in panels by vdpbf16ps, w8a8 in panels by vpdpbusd, at every row count"
-                if self.bf16_dot else "float16 / int8 weights converted in registers, float32 FMA; w8a8 with vpmaddubsw")
+                if self.bf16_dot else
+                "float16 / int8 weights converted in registers, float32 FMA; w8a8 in panels by vpmaddwd")
         extra = f" ({self.reason})" if self.reason else ""
         return f"inferlab CPU kernels: {self.variant}{extra}: {path}; CPU has {' '.join(self.cpu_flags) or '?'}"
 
     def as_dict(self) -> dict[str, object]:
         """Plain values for a JSON report (the server's, a benchmark's)."""
         d = dataclasses.asdict(self)
-        d.update(available=self.available, bf16_dot=self.bf16_dot, int8_dot=self.int8_dot,
+        d.update(available=self.available, bf16_dot=self.bf16_dot, int8_dot=self.int8_dot, int4_dot=self.int4_dot,
                  auto_weight_dtype=self.auto_weight_dtype)
         return d
 

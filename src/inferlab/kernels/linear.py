@@ -109,7 +109,7 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
 
 
 def pack_panels_i8(codes: torch.Tensor) -> torch.Tensor:
-    """int8 codes [N, K] as the VNNI kernels multiply them (csrc/matvec.h panel_products_i8):
+    """int8 codes [N, K] as the w8a8 kernels multiply them (csrc/matvec.h panel_products_i8):
     panels of 16 output columns, each [Kq / 4, 16, 4] (quads of consecutive k, vpdpbusd's
     operand; Kq = K rounded up to whole groups of INT8_GROUP), zero-padded to whole panels."""
     return _to_panels(codes, INT8_GROUP, 4)
@@ -215,17 +215,15 @@ class WeightOnlyLinear:
         # GEMM there: x and the output rounded to bf16.
         self.bf16_gemm = stored_dtype == torch.int8 and kernel.bf16_dot
         # w8a8 (`int8_x`): x is quantized to int8 per group of INT8_GROUP values (symmetric)
-        # and the integer dot product (kernel.int8_dot) runs on the stored codes. vpdpbusd
-        # (avx512) takes x as unsigned bytes: -128 x the weight's group sums (`row_sums`),
-        # computed here once, undo that offset; there the codes are kept in panels
-        # (`pack_panels_i8`, `i8_panels`), the one copy every row count multiplies. vpmaddubsw's
-        # sign trick (avx2) needs no corrections, and there x is quantized below MKL_MIN_ROWS
-        # rows only (float32 tiles through at::mm from there).
+        # and the integer dot product (kernel.int8_dot) runs on the stored codes, kept in panels
+        # (`pack_panels_i8`, `i8_panels`), the one copy every row count multiplies. x goes in as
+        # unsigned bytes (q + 128): -128 x the weight's group sums (`row_sums`), computed here
+        # once, undo that offset. Both variants (vpdpbusd, vpmaddwd) give the same bits.
         self.row_sums: torch.Tensor | None = None
         if int8_activations and stored_dtype != torch.int8:
             raise ValueError("int8_activations needs int8 weights")
         self.int8_x = int8_activations and bool(kernel.int8_dot)
-        self.i8_panels = self.int8_x and kernel.int8_dot == "vpdpbusd"
+        self.i8_panels = self.int8_x
         if self.i8_panels:
             self.weight = pack_panels_i8(self.weight)
             self.row_sums = panel_corrections_i8(self.weight)
@@ -267,7 +265,7 @@ class WeightOnlyLinear:
         if self.i8_panels:
             return ops.linear_panels_i8(x, self.weight, self.row_sums, self.scale, self.out_features, self.bias)
         if self.scale is not None:
-            return ops.linear_w8(x, self.weight, self.scale, self.bias, MKL_MIN_ROWS, self.int8_x)
+            return ops.linear_w8(x, self.weight, self.scale, self.bias, MKL_MIN_ROWS)
         return ops.linear_w16(x, self.weight, self.bias, W16_MKL_MIN_ROWS)
 
     def product_bf16(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -284,7 +282,7 @@ class WeightOnlyLinear:
         and their scales, as fused.cpp's add_rms_norm_q8_ and silu_mul_q8 make them): the bits
         `kernel` gives for the float32 rows those codes were made from."""
         if not self.i8_panels:
-            raise ValueError("product_q8 needs w8a8 weights in panels (the avx512 variant)")
+            raise ValueError("product_q8 needs w8a8 weights (in panels)")
         return torch.ops.inferlab.linear_panels_i8_q(xq, sx, self.in_features, self.weight, self.row_sums, self.scale,
                                                      self.out_features, self.bias)
 

@@ -175,7 +175,7 @@ class DecoderModel:
                 if getattr(e, "i8_panels", False):
                     how += ", codes in panels"
             elif isinstance(e, Int4Linear):
-                how += f", 4-bit codes x int8 x per 32 values, {kernel.int8_dot}"
+                how += f", 4-bit codes x int8 x per 32 values, {kernel.int4_dot}"
                 if not isinstance(self.lm_head, Int4Linear):
                     how += "; embedding / lm_head int8 weight-only"
             elif getattr(e, "bf16_products", False):

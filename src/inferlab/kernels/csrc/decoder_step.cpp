@@ -27,8 +27,8 @@
 //                                    [H, kvH, D, block_size(, int8_activations(, bf16_attention))],
 //                                    eps, attn_scale)
 //   int8_activations (default 0): int8 weights multiply x quantized per 64 values by the integer
-//     dot product (w8a8: codes in panels by vpdpbusd on AVX-512, matvec.h's panel_products_i8;
-//     in rows by vpmaddubsw on AVX2, row_products_i8), else float32 products of the codes.
+//     dot product (w8a8: codes in panels, matvec.h's panel_products_i8: by vpdpbusd on AVX-512,
+//     vpmaddwd on AVX2), else float32 products of the codes.
 //   bf16_attention (default 0): attention over bfloat16 caches with q and P rounded to bf16, by
 //     vdpbf16ps (attention.h decode_task_dot; the avx512 variant), else float32 arithmetic.
 //   layer_tensors: 13 per layer, in order: input_norm, qkv_w, qkv_scale, qkv_bias, q_norm, k_norm,
@@ -144,7 +144,6 @@ struct Linear {
   const int32_t* corr = nullptr;
   const float* scale = nullptr;
   const float* bias = nullptr;
-  bool int8_x = false;            // int8 weights times x quantized per 64 values (w8a8)
   const uint16_t* dm = nullptr;   // 4-bit weights' float16 (d, m) pairs (w is then uint8 codes)
   int64_t n = 0, k = 0;
 };
@@ -250,7 +249,7 @@ class DecoderStep : public torch::CustomClassHolder {
       for (const Linear* lin : {&ly.qkv, &ly.o, &ly.gate_up, &ly.down})
         TORCH_CHECK_VALUE((!lin->panels.defined() && !lin->i8_panels.defined()) || panel_layout(two_i / 2),
                           "DecoderStep: weights in panels need head_dim and the intermediate size to be multiples "
-                          "of ", kPanel, " and the AVX-512 variant");
+                          "of ", kPanel);
       check_f32(ly.input_norm, "input_norm");
       check_f32(ly.post_norm, "post_norm");
       TORCH_CHECK_VALUE(ly.input_norm.numel() == hidden_ && ly.post_norm.numel() == hidden_,
@@ -373,24 +372,15 @@ class DecoderStep : public torch::CustomClassHolder {
     }
     lin.scale = lin.scale_t.defined() ? lin.scale_t.data_ptr<float>() : nullptr;
     lin.bias = lin.bias_t.defined() ? lin.bias_t.data_ptr<float>() : nullptr;
-    lin.int8_x = dt == at::kChar && int8_x;
-    TORCH_CHECK_VALUE(!lin.int8_x || !kI8Panels, "DecoderStep: ", name, " w8a8 codes on this variant come in "
-                      "panels (kernels/linear.py pack_panels_i8), not as an [n, k] matrix");
+    TORCH_CHECK_VALUE(dt != at::kChar || !int8_x, "DecoderStep: ", name, " w8a8 codes come in panels "
+                      "(kernels/linear.py pack_panels_i8), not as an [n, k] matrix");
     return lin;
   }
 
-  // Whether weights in panels can go through panel_products_bf16 / _i8: this variant has
-  // vdpbf16ps and vpdpbusd, and every task's first column is a panel's (heads of D columns, gate
-  // and up halves of `inter` each, column ranges of 16).
-  bool panel_layout(int64_t inter) const {
-#if defined(__AVX512BF16__)
-    static_assert(kI8Panels, "the AVX-512 variant has both panel kinds");
-    return head_dim_ % kPanel == 0 && inter % kPanel == 0;
-#else
-    (void)inter;
-    return false;
-#endif
-  }
+  // Whether weights in panels can go through panel_products_bf16 / _i8: every task's first
+  // column is a panel's (heads of D columns, gate and up halves of `inter` each, column ranges
+  // of 16). bf16 panels come only where the variant has vdpbf16ps (kernels/linear.py packs them).
+  bool panel_layout(int64_t inter) const { return head_dim_ % kPanel == 0 && inter % kPanel == 0; }
 
   // A float32 bias of n values, or none (an empty tensor): checked and held by lin.
   static void set_bias(Linear& lin, const at::Tensor& bias, int64_t n, const char* name) {
@@ -418,15 +408,14 @@ class DecoderStep : public torch::CustomClassHolder {
   // bias float32 or absent; the group corrections computed here, once.
   static Linear linear_panels_i8(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& bias, int64_t n,
                                  int64_t k, const char* name, bool int8_x) {
-    TORCH_CHECK_VALUE(int8_x && kI8Panels, "DecoderStep: ", name, " int8 codes in panels are w8a8's "
-                      "(int8_activations), on the AVX-512 variant");
+    TORCH_CHECK_VALUE(int8_x, "DecoderStep: ", name, " int8 codes in panels are w8a8's (int8_activations)");
     const int64_t panels = (n + kPanel - 1) / kPanel, quads = i8_groups(k) * kI8Group / 4;
     TORCH_CHECK_VALUE(w.is_contiguous() && w.size(0) == panels && w.size(1) == quads && w.size(2) == kPanel &&
                           w.size(3) == 4,
                       "DecoderStep: ", name, " int8 panels must be contiguous [", panels, ", ", quads, ", ", kPanel,
                       ", 4], got ", w.sizes());
     Linear lin;
-    lin.w = w, lin.i8_panels = w, lin.n = n, lin.k = k, lin.int8_x = true;
+    lin.w = w, lin.i8_panels = w, lin.n = n, lin.k = k;
     lin.scale_t = present(scale);
     TORCH_CHECK_VALUE(lin.scale_t.defined() && lin.scale_t.scalar_type() == at::kFloat &&
                           lin.scale_t.is_contiguous() && lin.scale_t.numel() == n,
@@ -500,7 +489,6 @@ class DecoderStep : public torch::CustomClassHolder {
         }
       }
 #endif
-#if INFERLAB_I8_PANELS
       if constexpr (std::is_same_v<T, int8_t>) {
         if (lin.i8_panels.defined()) {
           const int64_t groups = i8_groups(lin.k);
@@ -515,14 +503,6 @@ class DecoderStep : public torch::CustomClassHolder {
           return;
         }
       }
-#else
-      if constexpr (std::is_same_v<T, int8_t>) {
-        if (lin.int8_x) {
-          row_products_i8(in, m, lin.k, lin.w.data_ptr<int8_t>(), r0, rows, lin.scale, lin.bias, y, ldy);
-          return;
-        }
-      }
-#endif
       row_products(in, m, lin.k, lin.w.data_ptr<T>(), r0, rows, lin.scale, lin.bias, wk.buf.data(), wk.dots.data(),
                    y, ldy);
     }

@@ -185,7 +185,6 @@ at::Tensor silu_mul(const at::Tensor& x) {
   return out;
 }
 
-#if INFERLAB_I8_PANELS
 // w8a8's products take x as u8 codes per group of 64 (matvec.h quantize_row_u8). Why these: a
 // norm's or SiLU's float32 rows (1.2 MB for a 512-token prompt at SmolLM2's 576, 3.1 MB out of
 // SiLU at 1,536) were written out, then read back by linear_panels_i8 to be quantized, after the
@@ -247,7 +246,6 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_q8(const at::Tensor& x) {
   });
   return {codes, scales};
 }
-#endif
 
 }  // namespace
 
@@ -257,18 +255,14 @@ TORCH_LIBRARY_FRAGMENT(inferlab, m) {
         "Tensor(b!) v_cache, Tensor slots, int num_heads, int num_kv_heads, int head_dim, "
         "Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor x) -> Tensor");
-#if INFERLAB_I8_PANELS
   m.def("add_rms_norm_q8_(Tensor(a!) x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul_q8(Tensor x) -> (Tensor, Tensor)");
-#endif
 }
 
 TORCH_LIBRARY_IMPL(inferlab, CPU, m) {
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("rope_write_kv", &rope_write_kv);
   m.impl("silu_mul", &silu_mul);
-#if INFERLAB_I8_PANELS
   m.impl("add_rms_norm_q8_", &add_rms_norm_q8_);
   m.impl("silu_mul_q8", &silu_mul_q8);
-#endif
 }

@@ -18,13 +18,9 @@
 // Operators (torch.ops.inferlab.*):
 //   linear_w16(Tensor x, Tensor w, Tensor? bias=None, int mkl_min_rows=128) -> Tensor
 //       w: float16 or bfloat16 [N, K]
-//   linear_w8(Tensor x, Tensor w, Tensor scale, Tensor? bias=None, int mkl_min_rows=128,
-//             bool int8_x=False) -> Tensor
-//       w: int8 [N, K], codes in [-127, 127], scale: float32 [N]; y = (x @ w^T) * scale (+ bias).
-//       int8_x (weight_dtype w8a8, the AVX2 variant): below mkl_min_rows rows, x is quantized per
-//       group of 64 to int8 and the integer dot product (vpmaddubsw) runs on the codes
-//       (matvec.h's row_products_i8); else float32 products. The AVX-512 variant keeps w8a8's
-//       codes in panels: linear_panels_i8.
+//   linear_w8(Tensor x, Tensor w, Tensor scale, Tensor? bias=None, int mkl_min_rows=128) -> Tensor
+//       w: int8 [N, K], codes in [-127, 127], scale: float32 [N]; y = (x @ w^T) * scale (+ bias),
+//       float32 products (weight-only int8; w8a8 keeps its codes in panels: linear_panels_i8).
 //   linear_w4(Tensor x, Tensor codes, Tensor dm, Tensor? bias=None, int mkl_min_rows=128) -> Tensor
 //       4-bit group-wise weights (q4.h's format): codes uint8 [N, K / 2], dm float16 [N, K / 32, 2].
 //       Below mkl_min_rows rows x is quantized per group of 32 to int8 and the integer dot
@@ -37,13 +33,14 @@
 //       rounded to bf16. Many rows go 64 at a time over the weights (kPanelRowBlock); against
 //       oneDNN's bf16 GEMM on the [N, K] matrix: 0.9-1.0x at 512 rows, and one copy of the weights.
 //   linear_panels_i8(Tensor x, Tensor panels, Tensor corr, Tensor scale, int n, Tensor? bias=None) -> Tensor
-//       (AVX-512 VNNI variant only) w8a8: int8 codes as kernels/linear.py's pack_panels_i8 stores
-//       them ([ceil(n / 16), ceil(K / 64) * 16, 16, 4]), corr their group corrections
-//       (panel_corrections_i8, int32 [ceil(n / 16), ceil(K / 64), 16]), scale float32 [n]: x
-//       quantized per group of 64 and vpdpbusd at every row count, 64 rows a pass over the weights.
+//       w8a8: int8 codes as kernels/linear.py's pack_panels_i8 stores them ([ceil(n / 16),
+//       ceil(K / 64) * 16, 16, 4]), corr their group corrections (panel_corrections_i8, int32
+//       [ceil(n / 16), ceil(K / 64), 16]), scale float32 [n]: x quantized per group of 64 and the
+//       integer products (vpdpbusd on AVX-512, vpmaddwd on AVX2, the same bits) at every row
+//       count, 64 rows a pass over the weights.
 //   linear_panels_i8_q(Tensor xq, Tensor sx, int k, Tensor panels, Tensor corr, Tensor scale, int n,
 //                      Tensor? bias=None) -> Tensor
-//       (the same variant) the same product from x already quantized: xq uint8 [M, ceil(k / 64) * 64]
+//       the same product from x already quantized: xq uint8 [M, ceil(k / 64) * 64]
 //       (q + 128, padded with 128), sx float32 [M, ceil(k / 64)] (fused.cpp's *_q8 operators).
 //   panel_rows(Tensor panels, Tensor ids, int k) -> Tensor
 //       rows `ids` of a matrix in either panel layout, float32 [len(ids), k] (an embedding lookup).
@@ -93,19 +90,13 @@ const float* vector_or_null(const std::optional<at::Tensor>& v, int64_t n, const
   return v->data_ptr<float>();
 }
 
-// The decode path: y = x @ w^T (* scale) (+ bias) with our micro-kernel; int8_x takes int8 weights
-// to the integer dot product (row_products_i8, the AVX2 variant's w8a8).
+// The decode path: y = x @ w^T (* scale) (+ bias) with our micro-kernel.
 template <typename T>
 void small_m(const float* x, int64_t M, int64_t K, const T* w, int64_t N, const float* scale, const float* bias,
-             float* y, bool int8_x = false) {
+             float* y) {
   const int64_t blocks = (N + kRowsW - 1) / kRowsW;
   auto run = [&](int64_t b0, int64_t b1, std::vector<float>& buf, std::vector<float>& out) {
     const int64_t n0 = b0 * kRowsW, n1 = std::min(N, b1 * kRowsW);
-#if !INFERLAB_I8_PANELS
-    if constexpr (std::is_same_v<T, int8_t>) {
-      if (int8_x) return row_products_i8(x, M, K, w, n0, n1 - n0, scale, bias, y + n0, N);
-    }
-#endif
     row_products(x, M, K, w, n0, n1 - n0, scale, bias, buf.data(), out.data(), y + n0, N);
   };
   for_block_chunks(blocks, [&](int64_t b0, int64_t b1) {
@@ -179,7 +170,7 @@ void large_m(const at::Tensor& x2, const T* w, int64_t N, int64_t K, const float
 }
 
 at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale,
-                       const std::optional<at::Tensor>& bias, int64_t mkl_min_rows, bool int8_x = false) {
+                       const std::optional<at::Tensor>& bias, int64_t mkl_min_rows) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "inferlab linear: x must be float32, got ", x.scalar_type());
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "inferlab linear: w must be a contiguous [N, K] matrix");
   TORCH_CHECK(x.dim() >= 1, "inferlab linear: x must have at least one dimension");
@@ -223,7 +214,7 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& w, const std::opti
       })
       AT_DISPATCH_CASE(at::kChar, [&] {
         if (big) large_m(x2, w.data_ptr<int8_t>(), N, K, scale_p, bias, y);
-        else small_m(x2.data_ptr<float>(), M, K, w.data_ptr<int8_t>(), N, scale_p, bias_p, y.data_ptr<float>(), int8_x);
+        else small_m(x2.data_ptr<float>(), M, K, w.data_ptr<int8_t>(), N, scale_p, bias_p, y.data_ptr<float>());
       })
     );
   }
@@ -293,7 +284,6 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t 
 
 #endif
 
-#if INFERLAB_I8_PANELS
 // The checks both w8a8 operators share: panels, corrections and scales of an [n, K] matrix.
 void check_i8_panels(const char* name, int64_t K, const at::Tensor& panels, const at::Tensor& corr,
                      const at::Tensor& scale, int64_t n) {
@@ -375,14 +365,11 @@ at::Tensor linear_panels_i8_q(const at::Tensor& xq, const at::Tensor& sx, int64_
                          y.data_ptr<float>());
   return y;
 }
-#endif
 
 at::Tensor linear_w8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                     const std::optional<at::Tensor>& bias, int64_t mkl_min_rows, bool int8_x) {
+                     const std::optional<at::Tensor>& bias, int64_t mkl_min_rows) {
   TORCH_CHECK(w.scalar_type() == at::kChar, "inferlab linear_w8: w must be int8, got ", w.scalar_type());
-  TORCH_CHECK(!int8_x || !kI8Panels, "inferlab linear_w8: int8_x (w8a8) on this variant multiplies codes in "
-              "panels: linear_panels_i8");
-  return linear_impl(x, w, scale, bias, mkl_min_rows, int8_x);
+  return linear_impl(x, w, scale, bias, mkl_min_rows);
 }
 
 at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& dm,
@@ -449,17 +436,14 @@ at::Tensor panel_rows(const at::Tensor& panels, const at::Tensor& ids, int64_t k
 TORCH_LIBRARY_FRAGMENT(inferlab, m) {
   m.def("panel_rows(Tensor panels, Tensor ids, int k) -> Tensor");
   m.def("linear_w16(Tensor x, Tensor w, Tensor? bias=None, int mkl_min_rows=128) -> Tensor");
-  m.def("linear_w8(Tensor x, Tensor w, Tensor scale, Tensor? bias=None, int mkl_min_rows=128, "
-        "bool int8_x=False) -> Tensor");
+  m.def("linear_w8(Tensor x, Tensor w, Tensor scale, Tensor? bias=None, int mkl_min_rows=128) -> Tensor");
   m.def("linear_w4(Tensor x, Tensor codes, Tensor dm, Tensor? bias=None, int mkl_min_rows=128) -> Tensor");
 #if defined(__AVX512BF16__)
   m.def("linear_panels(Tensor x, Tensor panels, int n, Tensor? bias=None, bool out_bf16=False) -> Tensor");
 #endif
-#if INFERLAB_I8_PANELS
   m.def("linear_panels_i8(Tensor x, Tensor panels, Tensor corr, Tensor scale, int n, Tensor? bias=None) -> Tensor");
   m.def("linear_panels_i8_q(Tensor xq, Tensor sx, int k, Tensor panels, Tensor corr, Tensor scale, int n, "
         "Tensor? bias=None) -> Tensor");
-#endif
 }
 
 TORCH_LIBRARY_IMPL(inferlab, CPU, m) {
@@ -470,8 +454,6 @@ TORCH_LIBRARY_IMPL(inferlab, CPU, m) {
 #if defined(__AVX512BF16__)
   m.impl("linear_panels", &linear_panels);
 #endif
-#if INFERLAB_I8_PANELS
   m.impl("linear_panels_i8", &linear_panels_i8);
   m.impl("linear_panels_i8_q", &linear_panels_i8_q);
-#endif
 }

@@ -633,25 +633,23 @@ inline void row_products(const float* x, int64_t M, int64_t K, const int8_t* w, 
 
 // ---- int8 weights x int8 activations (weight_dtype w8a8) -----------------------------------
 // Why: int8 weights are a quarter of float32's bytes, and converting them to float32 in
-// registers (above) costs 3 instructions per 8 products; an integer dot product does 32
-// (vpmaddubsw, AVX2) or 64 (vpdpbusd, AVX-512 VNNI) per instruction. x is quantized on the fly
+// registers (above) costs 3 instructions per 8 products; an integer dot product does 16
+// (vpmaddwd, AVX2) or 64 (vpdpbusd, AVX-512 VNNI) per instruction. x is quantized on the fly
 // in groups of 64 values (one vpdpbusd's worth), symmetric: s = max|x_group| / 127,
 // q = round(x / s) in [-127, 127] (to nearest even). Per group, not per row: one scale per row
 // let an outlier channel crush the rest, and on SmolLM2 greedy tokens parted from float32's
 // within 1-2 tokens on 3 of 4 prompts. Each group's integer sum dot_g(q, w) is exact, and the
 // same on both variants; y = sum_g dot_g * s_g (float32) * w's row scale.
 //
-// The two variants lay the codes out differently: the AVX-512 one in panels of 16 output
-// columns (panel_products_i8, kI8Panels), the AVX2 one in rows (row_products_i8).
+// Both variants keep the codes in panels of 16 output columns (panel_products_i8): the AVX-512
+// one multiplies them by vpdpbusd, the AVX2 one by vpmaddwd.
 
 constexpr int64_t kI8Group = 64;  // k values per group = bytes per vpdpbusd
 
 inline int64_t i8_groups(int64_t K) { return (K + kI8Group - 1) / kI8Group; }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-// -- the AVX-512 variant: vpdpbusd, the codes in panels (INFERLAB_I8_PANELS: linear.cpp and
-// decoder_step.cpp test it to compile the panels' callers, kI8Panels for checks in code) --
-#define INFERLAB_I8_PANELS 1
+// -- the AVX-512 variant: vpdpbusd --
 // vpdpbusd multiplies unsigned by signed bytes, so x is stored as u = q + 128, and
 // dot(u, w) = dot(q, w) + 128 * sum(w_group): the weight's per-group sums, times -128, computed
 // once at load (`corr`), start each group's integer sum, which is then exact.
@@ -822,11 +820,11 @@ inline void panel_rows_i8(const uint8_t* x, int64_t ldx, const float* sx, int64_
   }
 }
 
-// row_products_i8's product (below, the AVX2 variant's) for int8 codes in panels
-// (kernels/linear.py pack_panels_i8 of an [N, K] matrix, corrections `corr` [N / 16, groups,
-// 16]) and x already quantized (xq: M rows of stride groups * 64, sx: M x groups scales,
-// quantize_rows_u8): y[i * ldy + r] for r in [0, rows) of columns r0 .., r0 a multiple of 16. Column tiles of 3 panels, each streamed from
-// memory by its first tile of x-rows; the others re-read it from cache.
+// y = x W^T for int8 codes in panels (kernels/linear.py pack_panels_i8 of an [N, K] matrix,
+// corrections `corr` [N / 16, groups, 16]) and x already quantized (xq: M rows of stride
+// groups * 64, sx: M x groups scales, quantize_rows_u8): y[i * ldy + r] for r in [0, rows) of
+// columns r0 .., r0 a multiple of 16. Column tiles of 3 panels, each streamed from memory by
+// its first tile of x-rows; the others re-read it from cache.
 inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int64_t K, const int8_t* panels,
                               const int32_t* corr, int64_t r0, int64_t rows, const float* scale, const float* bias,
                               float* y, int64_t ldy, bool cold) {
@@ -874,165 +872,196 @@ inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int
 }
 
 #else
-#define INFERLAB_I8_PANELS 0
-// -- the AVX2 variant: vpmaddubsw, the sign trick --
-// vpmaddubsw multiplies unsigned by signed bytes too, into int16 pairs that saturate, so no
-// offset: x is stored as q and |q| (per call, M x K bytes each), and a product is
-// vpmaddubsw(|q|, sign(w, q)) = |q| * (w with q's sign) = q * w. |q|, |w| <= 127, so a pair
-// sums to at most 2 * 127 * 127 = 32258 and never saturates; vpmaddwd by ones widens the pairs
-// to int32, the two 32-byte halves of a group are added (int32, exact), then converted and
-// scaled as on the AVX-512 variant. No corrections. The weight codes must be in [-127, 127]
-// (quantize_int8 clamps them there): sign(-128, q < 0) would wrap to -128. |q| is x's side
-// rather than |w| the weights' so that abs runs once per call on x, not once per tile on w.
-// Tile: 1 row of x by 4 weight rows: 4 float sums + 4 int32 group sums + q, |q|, the ones and
-// the weight halves in flight fit the 16 ymm registers (gcc -O3: no spills); 2 rows of x by 4
-// spilled and measured no faster (Zen 5 as avx2, ~2.5 cycles per 64 products and row pair).
-constexpr int kRowsXI8 = 1;
+// -- the AVX2 variant: the same panels by vpmaddwd --
+// Without VNNI no instruction sums u8 x s8 products into int32: vpmaddubsw's int16 pairs
+// saturate (2 x 255 x 127 > 32767), and its sign trick (|q| times w with q's sign, the row
+// kernel this replaces) spends a third instruction per 32 products on the ports that multiply:
+// on a Zen 3, vpsignb, vpmaddubsw and vpmaddwd each run 2 a cycle and all three together 2
+// (measured), so 32 products took 1.5 cycles, float32 FMA's rate in practice. Here the codes
+// are widened to int16 as they are loaded (vpmovsxbw: 16 bytes, 4 columns x a quad), x's u8
+// codes once per call, and vpmaddwd multiplies: 16 products an instruction into int32 pairs,
+// exact (2 x 255 x 127 < 2^31). The panels, corrections, group sums and float32 steps are
+// vpdpbusd's above, so both variants give the same bits.
+// Tile: up to kPanelRowsXI8 rows of x by half a panel (8 columns: a quad's 32 bytes, widened
+// in 2 registers); per row 2 int32 sums (column pairs' halves), folded per group by vphaddd
+// into one register of 8 columns in the order c0 c1 c4 c5 | c2 c3 c6 c7, and 1 float32 sum
+// kept in that order until the end: 4 x 3 + 2 weights + 1 broadcast of the 16 ymm registers.
+constexpr int kPanelRowsXI8 = 4;
+constexpr int kPanelsPerTileI8 = 1;  // the unit column ranges are cut in (linear.cpp)
 
-// One row of x as int8 codes q and magnitudes |q|, padded to whole groups with 0 (their
-// products are 0 whatever the weight), and its group scales: quantize_row_u8's arithmetic.
-inline void quantize_row_s8(const float* x, int64_t K, int8_t* q, int8_t* aq, float* scales) {
+// 32 int32 values (4 vectors of 8) in [0, 255] to 32 uint8 in order: pack32's unsigned twin.
+inline __m256i pack32u(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i ab = _mm256_packs_epi32(a, b), cd = _mm256_packs_epi32(c, d);
+  return _mm256_permutevar8x32_epi32(_mm256_packus_epi16(ab, cd), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// One row of x as u8 codes, padded to whole groups with 128 (q = 0), and its group scales: the
+// AVX-512 variant's arithmetic (the same codes, bit for bit).
+inline void quantize_row_u8(const float* x, int64_t K, uint8_t* dst, float* scales) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i off = _mm256_set1_epi32(128);
   for (int64_t g = 0; g * kI8Group < K; ++g) {
     const int64_t k0 = g * kI8Group, n = std::min(kI8Group, K - k0);
     const float* xg = x + k0;
-    int8_t* dq = q + k0;
-    int8_t* da = aq + k0;
+    uint8_t* d = dst + k0;
+    float amax = 0.f;
     if (n == kI8Group) {
-      __m256 v[8], mx = _mm256_setzero_ps();
-      for (int t = 0; t < 8; ++t) {
-        v[t] = _mm256_loadu_ps(xg + 8 * t);
-        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[t]));
-      }
-      const float amax = hmax(mx);
-      scales[g] = amax / 127.f;
-      const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-      __m256i qi[8];  // round to nearest even (MXCSR's default)
-      for (int t = 0; t < 8; ++t) qi[t] = _mm256_cvtps_epi32(_mm256_mul_ps(v[t], inv));
-      for (int h = 0; h < 2; ++h) {
-        const __m256i q8 = pack32(qi[4 * h], qi[4 * h + 1], qi[4 * h + 2], qi[4 * h + 3]);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dq + 32 * h), q8);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(da + 32 * h), _mm256_abs_epi8(q8));
-      }
+      __m256 mx = _mm256_setzero_ps();
+      for (int c = 0; c < kI8Group; c += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(xg + c)));
+      amax = hmax(mx);
     } else {
-      float amax = 0.f;
       for (int64_t c = 0; c < n; ++c) amax = std::max(amax, std::fabs(xg[c]));
-      scales[g] = amax / 127.f;
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      for (int64_t c = 0; c < n; ++c) {
-        const float r = std::nearbyint(xg[c] * inv);
-        dq[c] = static_cast<int8_t>(r);
-        da[c] = static_cast<int8_t>(std::fabs(r));
-      }
-      for (int64_t c = n; c < kI8Group; ++c) dq[c] = da[c] = 0;
+    }
+    scales[g] = amax / 127.f;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    if (n == kI8Group) {
+      const __m256 iv = _mm256_set1_ps(inv);
+      __m256i q[8];  // round to nearest even (MXCSR's default), + 128
+      for (int t = 0; t < 8; ++t) q[t] = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + 8 * t), iv)), off);
+      for (int h = 0; h < 2; ++h)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 32 * h), pack32u(q[4 * h], q[4 * h + 1], q[4 * h + 2], q[4 * h + 3]));
+    } else {
+      for (int64_t c = 0; c < n; ++c) d[c] = static_cast<uint8_t>(std::nearbyint(xg[c] * inv) + 128.f);
+      for (int64_t c = n; c < kI8Group; ++c) d[c] = 128;
     }
   }
 }
 
-// out[i][j] = sum_g dot_g(q row i, w row j) * sx[i][g] for MB rows of x (codes xq, magnitudes
-// xa, stride ldx, scales sx + i * groups) and NB (4 or 1) rows of int8 w (stride ldw); the last
-// group, when K is not a multiple of 64, is read from a zero-padded copy (AVX2 has no masked
-// byte loads, and a row's end may be the tensor's). `stream`: prefetch the weights ahead.
-template <int MB, int NB>
-inline void dot_tile_i8(const int8_t* xq, const int8_t* xa, int64_t ldx, const float* sx, const int8_t* w,
-                        int64_t ldw, int64_t K, bool stream, float out[][kRowsW]) {
+// x (M x K float32, contiguous) as u8 codes, M rows of stride i8_groups(K) * 64, and its group
+// scales (M x groups): quantize_row_u8 per row.
+inline void quantize_rows_u8(const float* x, int64_t M, int64_t K, uint8_t* dst, float* scales) {
   const int64_t groups = i8_groups(K);
-  const __m256i ones = _mm256_set1_epi16(1);
-  const char* pf = reinterpret_cast<const char*>(w) + kPrefetchBytes;
-  __m256 acc[MB][NB];
+  for (int64_t i = 0; i < M; ++i) quantize_row_u8(x + i * K, K, dst + i * groups * kI8Group, scales + i * groups);
+}
+
+// c0 c1 c2 c3 c4 c5 c6 c7 <-> c0 c1 c4 c5 c2 c3 c6 c7 (vphaddd's order; the swap is its own inverse).
+inline __m256i swap_mid_pairs(__m256i v) { return _mm256_permute4x64_epi64(v, 0xD8); }
+
+// x's u8 codes (M rows of stride ldx, a multiple of 64) as int16, interleaved for the tiles: row
+// tile t's quad j holds its kPanelRowsXI8 rows' 4 codes each, contiguous, at
+// dst + ((t * ldx / 4 + j) * kPanelRowsXI8 + r) * 4 (rows past M are left as they are: never read).
+// Why: a tile's broadcasts then come from one pointer, k steps by constant offsets.
+inline void interleave_x_i16(const uint8_t* xq, int64_t M, int64_t ldx, int16_t* dst) {
+  const int64_t quads = ldx / 4;
+  for (int64_t i = 0; i < M; ++i) {
+    int16_t* d = dst + ((i / kPanelRowsXI8) * quads * kPanelRowsXI8 + i % kPanelRowsXI8) * 4;
+    for (int64_t k = 0; k < ldx; k += 16) {
+      alignas(32) int16_t w[16];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(w),
+                         _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + i * ldx + k))));
+      for (int c = 0; c < 4; ++c) std::memcpy(d + (k / 4 + c) * kPanelRowsXI8 * 4, w + 4 * c, 4 * sizeof(int16_t));
+    }
+  }
+}
+
+// y[i * ldy + c] = (sum_g dot_g(q row i, column c) * sx[i][g]) * scale[c] + bias[c] for c < cols
+// (<= 8 NH) of NH halves of panel wp from half h0 on (its columns 8 h0 ..), MB rows of x (one row
+// tile of interleave_x_i16, scales sx + i * groups); corr: the panel's corrections [groups][16].
+// Stream: the panel comes from memory (prefetched kPrefetchBytes ahead, a line per quad).
+template <int MB, int NH, bool Stream>
+inline void panel_tile_i8(const int16_t* xt, const float* sx, int64_t groups, const int8_t* wp, int h0,
+                          const int32_t* corr, const float* scale, const float* bias, int cols, float* y, int64_t ldy) {
+  constexpr int64_t kGroupBytes = kI8Group * kPanel;  // a group of a panel: 16 quads of 64 bytes
+  __m256 acc[MB][NH];
 #pragma GCC unroll 4
   for (int i = 0; i < MB; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
-  // One group: weight row j's 64 codes at wg + j * ld, x's at column k.
-  auto group = [&](const int8_t* wg, int64_t ld, int64_t k, int64_t g) {
-    __m256i isum[MB][NB];
 #pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      __m256i wv[NB];
+    for (int h = 0; h < NH; ++h) acc[i][h] = _mm256_setzero_ps();
+  const int8_t* w = wp + 32 * h0;
+  for (int64_t g = 0; g < groups; ++g, w += kGroupBytes, xt += kI8Group * kPanelRowsXI8) {
+    __m256i s[MB][2 * NH];
 #pragma GCC unroll 4
-      for (int j = 0; j < NB; ++j) wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * ld + 32 * h));
+    for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+      for (int r = 0; r < 2 * NH; ++r) s[i][r] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+    for (int q = 0; q < kI8Group / 4; ++q) {
+      if constexpr (Stream) _mm_prefetch(reinterpret_cast<const char*>(w) + q * 64 + kPrefetchBytes, _MM_HINT_T0);
+      __m256i wv[2 * NH];  // 4 columns x the quad each
+#pragma GCC unroll 4
+      for (int r = 0; r < 2 * NH; ++r)
+        wv[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + q * 64 + 16 * r)));
 #pragma GCC unroll 4
       for (int i = 0; i < MB; ++i) {
-        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa + i * ldx + k + 32 * h));
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * ldx + k + 32 * h));
+        int64_t quad;  // row i's 4 codes of this quad, as int16
+        std::memcpy(&quad, xt + (q * kPanelRowsXI8 + i) * 4, sizeof(quad));
+        const __m256i b = _mm256_set1_epi64x(quad);
 #pragma GCC unroll 4
-        for (int j = 0; j < NB; ++j) {
-          const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(wv[j], q)), ones);
-          isum[i][j] = h == 0 ? p : _mm256_add_epi32(isum[i][j], p);
+        for (int r = 0; r < 2 * NH; ++r) {
+          s[i][r] = _mm256_add_epi32(s[i][r], _mm256_madd_epi16(b, wv[r]));
+          // Integer adds reassociate: unpinned, gcc sums a group's products as a tree at its
+          // end, a ymm of products per quad spilled to the stack (measured 1.4x slower).
+          __asm__("" : "+x"(s[i][r]));
         }
       }
     }
+#pragma GCC unroll 2
+    for (int h = 0; h < NH; ++h) {
+      const __m256i c =
+          swap_mid_pairs(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(corr + g * kPanel + 8 * (h0 + h))));
+#pragma GCC unroll 4
+      for (int i = 0; i < MB; ++i) {
+        const __m256i t = _mm256_add_epi32(_mm256_hadd_epi32(s[i][2 * h], s[i][2 * h + 1]), c);
+        acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(sx[i * groups + g]), acc[i][h]);
+      }
+    }
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+#pragma GCC unroll 2
+  for (int h = 0; h < NH; ++h) {
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols - 8 * h), lane);
+    const __m256 sv = _mm256_maskload_ps(scale + 8 * h, mask);
+    const __m256 bv = bias ? _mm256_maskload_ps(bias + 8 * h, mask) : _mm256_setzero_ps();
 #pragma GCC unroll 4
     for (int i = 0; i < MB; ++i) {
-      const __m256 sv = _mm256_set1_ps(sx[i * groups + g]);
-#pragma GCC unroll 4
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][j]), sv, acc[i][j]);
-    }
-  };
-  int64_t g = 0;
-  for (; (g + 1) * kI8Group <= K; ++g) {
-    const int64_t k = g * kI8Group;
-    if (stream) {
-#pragma GCC unroll 4
-      for (int c = 0; c < NB * 64; c += 64) _mm_prefetch(pf + k * NB + c, _MM_HINT_T0);
-    }
-    group(w + k, ldw, k, g);
-  }
-  if (g < groups) {
-    const int64_t k = g * kI8Group;
-    alignas(32) int8_t tail[NB][kI8Group] = {};
-    for (int j = 0; j < NB; ++j) std::memcpy(tail[j], w + j * ldw + k, K - k);
-    group(&tail[0][0], kI8Group, k, g);
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < MB; ++i) {
-    if constexpr (NB == kRowsW) {
-      _mm_storeu_ps(out[i], hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
-    } else {
-      for (int j = 0; j < NB; ++j) out[i][j] = hsum(acc[i][j]);
+      const __m256 v = _mm256_castsi256_ps(swap_mid_pairs(_mm256_castps_si256(acc[i][h])));
+      _mm256_maskstore_ps(y + i * ldy + 8 * h, mask, _mm256_fmadd_ps(v, sv, bv));
     }
   }
 }
 
-// y[i * ldy + r] = (x row i . w row r0 + r, x quantized per group) * scale[r0 + r] + bias[r0 + r]
-// (bias may be null) for r in [0, rows): w8a8 on the AVX2 variant.
-inline void row_products_i8(const float* x, int64_t M, int64_t K, const int8_t* w, int64_t r0, int64_t rows,
-                            const float* scale, const float* bias, float* y, int64_t ldy) {
-  thread_local std::vector<int8_t> xq, xa;  // per thread, grown once
-  thread_local std::vector<float> sx;
-  thread_local std::vector<float> dots;
+// The AVX-512 variant's panel_products_i8 (the same arguments, the same bits). One or two rows
+// (decode of one or two streams): each panel whole, in one pass. More: each panel's halves in
+// turn, every row tile over a half before the next, so a panel is read from memory once (by the
+// first row tile, prefetched) and from L1 by the others.
+inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int64_t K, const int8_t* panels,
+                              const int32_t* corr, int64_t r0, int64_t rows, const float* scale, const float* bias,
+                              float* y, int64_t ldy, bool /*cold*/) {
   const int64_t groups = i8_groups(K), ldx = groups * kI8Group;
-  if (xq.size() < static_cast<size_t>(M * ldx)) xq.resize(M * ldx), xa.resize(M * ldx);
-  if (sx.size() < static_cast<size_t>(M * groups)) sx.resize(M * groups);
-  if (dots.size() < static_cast<size_t>(M * kRowsW)) dots.resize(M * kRowsW);
-  for (int64_t i = 0; i < M; ++i)
-    quantize_row_s8(x + i * K, K, xq.data() + i * ldx, xa.data() + i * ldx, sx.data() + i * groups);
-  for (int64_t b = 0; b < rows; b += kRowsW) {
-    const int nb = static_cast<int>(std::min<int64_t>(kRowsW, rows - b));
-    const int8_t* wp = w + (r0 + b) * K;
-    auto tile = [&](auto mb_tag, int64_t m) {
-      constexpr int MB = decltype(mb_tag)::value;
-      auto* o = reinterpret_cast<float(*)[kRowsW]>(dots.data() + m * kRowsW);
-      const int8_t* qm = xq.data() + m * ldx;
-      const int8_t* am = xa.data() + m * ldx;
-      const float* sm = sx.data() + m * groups;
-      if (nb == kRowsW) {
-        dot_tile_i8<MB, kRowsW>(qm, am, ldx, sm, wp, K, K, m == 0, o);
-      } else {
-        for (int j = 0; j < nb; ++j) {
-          float one[MB][kRowsW];
-          dot_tile_i8<MB, 1>(qm, am, ldx, sm, wp + j * K, K, K, m == 0, one);
-          for (int i = 0; i < MB; ++i) o[i][j] = one[i][0];
-        }
-      }
-    };
-    for_row_tiles<kRowsXI8>(M, tile);
-    store_block(dots.data(), M, nb, scale, bias, r0 + b, y + b, ldy);
+  const int64_t tiles = (M + kPanelRowsXI8 - 1) / kPanelRowsXI8;
+  thread_local std::vector<int16_t> x16;  // interleave_x_i16's copy of x, per thread, grown once
+  if (x16.size() < static_cast<size_t>(tiles * kPanelRowsXI8 * ldx)) x16.resize(tiles * kPanelRowsXI8 * ldx);
+  interleave_x_i16(xq, M, ldx, x16.data());
+  const int64_t np = (rows + kPanel - 1) / kPanel;
+  for (int64_t j = 0; j < np; ++j) {
+    const int64_t c0 = j * kPanel, col = r0 + c0;  // this panel's first column
+    const int8_t* wp = panels + col * ldx;         // panel col / 16
+    const int32_t* cp = corr + col * groups;
+    const int cols = static_cast<int>(std::min<int64_t>(kPanel, rows - c0));
+    const float* bs = bias ? bias + col : nullptr;
+    if (M == 1) {
+      panel_tile_i8<1, 2, true>(x16.data(), sx, groups, wp, 0, cp, scale + col, bs, cols, y + c0, ldy);
+      continue;
+    }
+    if (M == 2) {
+      panel_tile_i8<2, 2, true>(x16.data(), sx, groups, wp, 0, cp, scale + col, bs, cols, y + c0, ldy);
+      continue;
+    }
+    for (int half = 0; half < 2 && cols > 8 * half; ++half) {
+      const int hc = std::min(8, cols - 8 * half);
+      for_row_tiles<kPanelRowsXI8>(M, [&](auto mb_tag, int64_t m) {
+        constexpr int MB = decltype(mb_tag)::value;
+        const int16_t* xt = x16.data() + m * ldx;  // row tile m / 4
+        const float* sm = sx + m * groups;
+        const float* sc = scale + col + 8 * half;
+        const float* bm = bs ? bs + 8 * half : nullptr;
+        float* yt = y + m * ldy + c0 + 8 * half;
+        if (m == 0 && half == 0) panel_tile_i8<MB, 1, true>(xt, sm, groups, wp, half, cp, sc, bm, hc, yt, ldy);
+        else panel_tile_i8<MB, 1, false>(xt, sm, groups, wp, half, cp, sc, bm, hc, yt, ldy);
+      });
+    }
   }
 }
 #endif  // __AVX512VNNI__
-
-constexpr bool kI8Panels = INFERLAB_I8_PANELS;
 
 }  // namespace inferlab_matvec
