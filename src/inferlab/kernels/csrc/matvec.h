@@ -1,7 +1,8 @@
 // The weight-streaming matrix-vector core shared by linear.cpp (one linear layer per call) and
 // decoder_step.cpp (a whole decode step per call): dot products of a few rows of float32 x with
-// blocks of 4 weight rows stored as float32, float16, bfloat16 or int8, and (AVX-512 BF16) bf16
-// weights in panels of 16 output columns multiplied by vdpbf16ps.
+// blocks of 4 weight rows stored as float32, float16, bfloat16 or int8, (AVX-512 BF16) bf16
+// weights in panels of 16 output columns multiplied by vdpbf16ps, and w8a8's int8 codes in such
+// panels (vpdpbusd on AVX-512 VNNI, vpmaddwd on AVX2).
 //
 // A block of 4 weight rows is read from memory once per call, prefetched as one linear stream,
 // and re-used for every row of x: converted in registers by each tile of 3 rows up to
@@ -881,7 +882,10 @@ inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int
 // are widened to int16 as they are loaded (vpmovsxbw: 16 bytes, 4 columns x a quad), x's u8
 // codes once per call, and vpmaddwd multiplies: 16 products an instruction into int32 pairs,
 // exact (2 x 255 x 127 < 2^31). The panels, corrections, group sums and float32 steps are
-// vpdpbusd's above, so both variants give the same bits.
+// vpdpbusd's above, so both variants give the same bits. Measured on one core of a Zen 3,
+// SmolLM2's four layer shapes (weights in L3), against the sign trick in rows: 32 rows 41 -> 54
+// GMAC/s (float16 weights: 37), 8 rows 38 -> 50, 1 row 24 -> 24; the default model's w8a8 decode
+// at 32 streams 504 -> 603 tok/s, one stream even (7 alternated rounds each, 145-162 tok/s).
 // Tile: up to kPanelRowsXI8 rows of x by half a panel (8 columns: a quad's 32 bytes, widened
 // in 2 registers); per row 2 int32 sums (column pairs' halves), folded per group by vphaddd
 // into one register of 8 columns in the order c0 c1 c4 c5 | c2 c3 c6 c7, and 1 float32 sum
