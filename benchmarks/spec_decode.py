@@ -45,7 +45,11 @@ processes one after the other and pools their turns (the ratio: the median of ev
 process's own median beside it). Each row also gets the turns' geometric mean ratio with a 95%
 bootstrap interval, the processes resampled (with one process, the turns): a cell whose interval
 holds 1.00 is not told apart from plain decoding by this measure (8 processes x 3 turns of 32-stream
-chat gave suffix decoding 0.997 [0.992, 1.000] and the control pair 1.002 [0.997, 1.007]).
+chat gave suffix decoding 0.997 [0.992, 1.000] and the control pair 1.002 [0.997, 1.007]). Two more
+columns split the time: the share of plain decoding's seconds in steps that carried prompt tokens
+(no drafts are verified there, so it is the same work for both engines: on the AVX2 kind 63-80% of a
+32-stream edit or code turn, each such step 1.8-3.2 s and a pair of them 0.95-1.08 apart), and plain's
+seconds over the method's in the other steps, where the two differ.
 
     .venv/bin/python benchmarks/spec_decode.py [--model PATH] [--k 4] [--methods ngram,suffix]
         [--draft-model PATH] [--streams 1,32] [--runs 3] [--max-tokens 96] [--always] [--vllm] [--json]
@@ -317,13 +321,15 @@ def run_all(args: argparse.Namespace, engines: dict[str, LLM], streams_list: lis
 
 @dataclass
 class Stepped:
-    """One engine's share of a paired turn: its requests, its own step seconds and step count,
-    and each finished request's token ids."""
+    """One engine's share of a paired turn: its requests, its own step seconds and step count
+    (and of those, the steps that carried prompt tokens), and each finished request's token ids."""
 
     llm: LLM
     request_ids: list[str]
     seconds: float = 0.0
     steps: int = 0
+    prompt_seconds: float = 0.0  # steps with prompt tokens: the same work for every method (no drafts there)
+    prompt_steps: int = 0
     done: dict[str, list[int]] = field(default_factory=dict)
 
     @property
@@ -362,14 +368,27 @@ def enqueue(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> Stepp
 
 def step_once(run: Stepped) -> None:
     """One `step()` of the run's engine, timed alone; the heap trim after it is left out of the
-    time, as `LLM.generate`'s loop also calls it after handing the step's outputs on."""
+    time, as `LLM.generate`'s loop also calls it after handing the step's outputs on. A step that
+    carried prompt tokens is also counted apart: the engine verifies no drafts in one, so those
+    steps are the same work for plain decoding and every method, and at 32 streams of long prompts
+    they are most of a turn's time and of its noise (`paired_row`'s decode-step ratio leaves them out)."""
     eng = run.llm.engine
     if not eng.has_unfinished_requests():
         raise RuntimeError("the engine stopped before every request finished")
-    t = time.perf_counter()
-    outs = eng.step()
-    run.seconds += time.perf_counter() - t
+    prompt: list[bool] = []
+    eng.step_observer = lambda so, ro: prompt.append(any(len(s.token_ids) != 1 + s.num_draft_tokens
+                                                             for s in so.scheduled))
+    try:
+        t = time.perf_counter()
+        outs = eng.step()
+        dt = time.perf_counter() - t
+    finally:
+        eng.step_observer = None
+    run.seconds += dt
     run.steps += 1
+    if any(prompt):
+        run.prompt_seconds += dt
+        run.prompt_steps += 1
     for out in outs:
         if out.finished and out.request_id in run.request_ids:
             run.done[out.request_id] = list(out.outputs[0].token_ids)
@@ -406,6 +425,8 @@ def paired_row(name: str, streams: int, method: str, turns: list[tuple[Stepped, 
         "turn_ratios": [s.tok_s / b.tok_s for b, s in turns],
         "base_seconds": sum(r.seconds for r in base), "spec_seconds": sum(r.seconds for r in spec),
         "base_steps": sum(r.steps for r in base), "spec_steps": sum(r.steps for r in spec),
+        "base_prompt_seconds": sum(r.prompt_seconds for r in base),
+        "spec_prompt_seconds": sum(r.prompt_seconds for r in spec),
         **drafting, "identical": all(b.ids == s.ids for b, s in turns),
     }
 
@@ -531,8 +552,22 @@ def merge_rows(rs: list[dict]) -> dict:
         "total_ratio": (total("spec_tokens") / total("spec_seconds")) / (total("base_tokens") / total("base_seconds")),
         "base_seconds": total("base_seconds"), "spec_seconds": total("spec_seconds"),
         "base_steps": total("base_steps"), "spec_steps": total("spec_steps"),
+        "base_prompt_seconds": total("base_prompt_seconds"), "spec_prompt_seconds": total("spec_prompt_seconds"),
         **rates(counts), "identical": all(r["identical"] for r in rs),
     }
+
+
+def decode_ratio(r: dict) -> float:
+    """A paired row's plain seconds over the method's in the steps without prompt tokens: the
+    steps where the two differ (drafts, the rule, the proposer), apart from the prompt steps'
+    same work and noise."""
+    spec = r["spec_seconds"] - r["spec_prompt_seconds"]
+    return (r["base_seconds"] - r["base_prompt_seconds"]) / spec if spec > 0 else float("nan")
+
+
+def prompt_share(r: dict) -> float:
+    """Of plain decoding's seconds in a paired row, the share in steps that carried prompt tokens."""
+    return r["base_prompt_seconds"] / r["base_seconds"] if r["base_seconds"] else float("nan")
 
 
 def print_paired(rows: list[dict]) -> None:
@@ -551,22 +586,27 @@ def print_paired(rows: list[dict]) -> None:
     print("paired steps: tok/s = an engine's output tokens over its own summed step() seconds; ratio = median of "
           "the turns' spec/plain" + (" (every process's turns)" if procs else "") + "; total = the ratio of the "
           "summed totals; geo mean = the turns' geometric mean ratio [its 95% bootstrap interval, the "
-          f"{over} resampled]; steps = summed over the measured turns")
+          f"{over} resampled]; steps = summed over the measured turns; prompt = the share of plain decoding's "
+          "seconds in steps that carried prompt tokens (no drafts there: the same work for both); decode = "
+          "plain's seconds over the method's in the other steps")
     print(f"{'workload':8} {'streams':>7} {'method':11} {'out':>6} {'base tok/s':>10} {'spec tok/s':>10} {'ratio':>6} "
-          f"{'total':>6} {'geo mean [95%]':>22} {'base steps':>10} {'spec steps':>10} {'acc len':>7}  identical" +
+          f"{'total':>6} {'geo mean [95%]':>22} {'prompt':>6} {'decode':>6} {'base steps':>10} {'spec steps':>10} "
+          f"{'acc len':>7}  identical" +
           ("  per process" if procs else ""))
     for r in rows:
         print(f"{r['workload']:8} {r['streams']:>7} {r['method']:11} {r['base_tokens']:>6} {r['base_tok_s']:>10.1f} "
               f"{r['spec_tok_s']:>10.1f} {r['ratio']:>6.2f} {r['total_ratio']:>6.2f} {interval(r):>22} "
+              f"{prompt_share(r):>6.2f} {decode_ratio(r):>6.3f} "
               f"{r['base_steps']:>10} {r['spec_steps']:>10} {r['mean_accepted_length']:>7.2f}  {str(r['identical']):9}" +
               (f"  {per_process(r, ' ')}" if procs else ""))
     print("\n| workload | streams | method | base tok/s | spec tok/s | ratio (median) | ratio (totals) "
-          f"| geo mean [95%, {over}] | base steps | spec steps | mean accepted length | identical |" +
-          (" ratio per process |" if procs else "") +
-          "\n|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if procs else ""))
+          f"| geo mean [95%, {over}] | prompt steps' share | decode steps' ratio | base steps | spec steps "
+          "| mean accepted length | identical |" + (" ratio per process |" if procs else "") +
+          "\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if procs else ""))
     for r in rows:
         print(f"| {r['workload']} | {r['streams']} | {r['method']} | {r['base_tok_s']:.1f} | {r['spec_tok_s']:.1f} "
-              f"| {r['ratio']:.2f} | {r['total_ratio']:.2f} | {interval(r)} | {r['base_steps']} | {r['spec_steps']} "
+              f"| {r['ratio']:.2f} | {r['total_ratio']:.2f} | {interval(r)} | {prompt_share(r):.2f} "
+              f"| {decode_ratio(r):.3f} | {r['base_steps']} | {r['spec_steps']} "
               f"| {r['mean_accepted_length']:.2f} | {'yes' if r['identical'] else 'no'} |" +
               (f" {per_process(r, ', ')} |" if procs else ""))
 

@@ -10,15 +10,17 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from spec_decode import merge_processes, rates, ratio_interval  # noqa: E402
+from spec_decode import Stepped, decode_ratio, merge_processes, prompt_share, rates, ratio_interval, step_once  # noqa: E402
 
 
-def _row(method: str, turns: list[float], seconds: tuple[float, float], counts: dict, identical: bool = True) -> dict:
+def _row(method: str, turns: list[float], seconds: tuple[float, float], counts: dict, identical: bool = True,
+         prompt_seconds: tuple[float, float] = (0.0, 0.0)) -> dict:
     base_s, spec_s = seconds
     return {"workload": "copy", "streams": 32, "method": method, "base_tokens": 100, "spec_tokens": 100,
             "base_tok_s": 100 / base_s, "spec_tok_s": 100 / spec_s, "ratio": sorted(turns)[len(turns) // 2],
             "turn_ratios": turns, "total_ratio": base_s / spec_s, "base_seconds": base_s, "spec_seconds": spec_s,
-            "base_steps": 10, "spec_steps": 8, **rates(counts), "identical": identical}
+            "base_steps": 10, "spec_steps": 8, "base_prompt_seconds": prompt_seconds[0],
+            "spec_prompt_seconds": prompt_seconds[1], **rates(counts), "identical": identical}
 
 
 def _counts(drafts: int, accepted_per_pos: list[int], drafted_per_pos: list[int]) -> dict:
@@ -40,6 +42,45 @@ def test_turns_are_pooled_and_counts_summed() -> None:
     assert merged["mean_accepted_length"] == pytest.approx(1 + 21 / 10)
     assert merged["acceptance_rate"] == pytest.approx(21 / 26)
     assert merged["identical"] is False  # one process's tokens differed
+
+
+def test_prompt_steps_are_told_apart_from_the_decode_steps() -> None:
+    """A step that carries prompt tokens (a row of more than 1 + its drafts) counts in
+    prompt_seconds too; a decode step with drafts does not. Merged rows sum them, and the decode
+    ratio compares only the rest: here the methods' prompt steps differ by noise alone."""
+
+    class Sched:
+        def __init__(self, rows: list[tuple[int, int]]) -> None:
+            self.scheduled = [type("S", (), {"token_ids": [0] * n, "num_draft_tokens": d})() for n, d in rows]
+
+    class Engine:
+        step_observer = None
+
+        def __init__(self, steps: list[list[tuple[int, int]]]) -> None:
+            self.steps = steps
+
+        def has_unfinished_requests(self) -> bool:
+            return bool(self.steps)
+
+        def step(self) -> list:
+            self.step_observer(Sched(self.steps.pop(0)), None)
+            return []
+
+        def trim_heap(self) -> None:
+            pass
+
+    eng = Engine([[(100, 0), (1, 0)], [(1, 0), (3, 2)], [(1, 0), (1, 0)]])  # a prompt chunk, drafts, plain
+    run = Stepped(type("L", (), {"engine": eng})(), ["a", "b"])
+    for _ in range(3):
+        step_once(run)
+    assert run.steps == 3 and run.prompt_steps == 1 and 0 < run.prompt_seconds < run.seconds
+    assert eng.step_observer is None  # handed back
+    one = _row("suffix", [0.95], (10.0, 10.5), _counts(0, [], []), prompt_seconds=(6.0, 6.5))
+    two = _row("suffix", [1.0], (10.0, 10.0), _counts(0, [], []), prompt_seconds=(6.0, 6.0))
+    (merged,) = merge_processes([[one], [two]])
+    assert (merged["base_prompt_seconds"], merged["spec_prompt_seconds"]) == (12.0, 12.5)
+    assert decode_ratio(merged) == pytest.approx(1.0)  # 8 s of decode steps each
+    assert prompt_share(merged) == pytest.approx(0.6)
 
 
 def test_rows_of_different_cells_stay_apart() -> None:
