@@ -881,15 +881,20 @@ inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int
 // (measured), so 32 products took 1.5 cycles, float32 FMA's rate in practice. Here the codes
 // are widened to int16 as they are loaded (vpmovsxbw: 16 bytes, 4 columns x a quad), x's u8
 // codes once per call, and vpmaddwd multiplies: 16 products an instruction into int32 pairs,
-// exact (2 x 255 x 127 < 2^31). The panels, corrections, group sums and float32 steps are
-// vpdpbusd's above, so both variants give the same bits. Measured on one core of a Zen 3,
-// SmolLM2's four layer shapes (weights in L3), against the sign trick in rows: 32 rows 41 -> 54
-// GMAC/s (float16 weights: 37), 8 rows 38 -> 50, 1 row 24 -> 24; the default model's w8a8 decode
-// at 32 streams 504 -> 603 tok/s, one stream even (7 alternated rounds each, 145-162 tok/s).
+// exact (2 x 255 x 127 < 2^31). The panels, corrections, the exact group sums and the float32
+// steps after them are vpdpbusd's above, in the same order, so the two variants should give the
+// same bits (test_w8a8_gives_the_same_results_on_both_variants holds them to float32's rounding
+// and runs where a CPU has both). Measured on one core of a Zen 3, SmolLM2's four layer shapes
+// (weights in L3), against the sign trick in rows: 32 rows 41 -> 54 GMAC/s (float16 weights: 37),
+// 8 rows 38 -> 50, 1 row 24 -> 24; the default model's w8a8 decode at 32 streams 504 -> 603
+// tok/s, one stream within the host's spread (7 rounds a run, runs new / old / new: 145 / 157 /
+// 162 tok/s).
 // Tile: up to kPanelRowsXI8 rows of x by half a panel (8 columns: a quad's 32 bytes, widened
 // in 2 registers); per row 2 int32 sums (column pairs' halves), folded per group by vphaddd
 // into one register of 8 columns in the order c0 c1 c4 c5 | c2 c3 c6 c7, and 1 float32 sum
 // kept in that order until the end: 4 x 3 + 2 weights + 1 broadcast of the 16 ymm registers.
+// One or two rows (decode of one or two streams) take a whole panel a pass instead (4 weight
+// registers), so that its lines are read from memory once.
 constexpr int kPanelRowsXI8 = 4;
 constexpr int kPanelsPerTileI8 = 1;  // the unit column ranges are cut in (linear.cpp)
 
