@@ -36,8 +36,8 @@
 //       w8a8: int8 codes as kernels/linear.py's pack_panels_i8 stores them ([ceil(n / 16),
 //       ceil(K / 64) * 16, 16, 4]), corr their group corrections (panel_corrections_i8, int32
 //       [ceil(n / 16), ceil(K / 64), 16]), scale float32 [n]: x quantized per group of 64 and the
-//       integer products (vpdpbusd on AVX-512, vpmaddwd on AVX2, the same bits) at every row
-//       count, 64 rows a pass over the weights.
+//       integer products (vpdpbusd on AVX-512, vpmaddwd on AVX2: the same exact group sums and
+//       float32 steps) at every row count, 64 rows a pass over the weights.
 //   linear_panels_i8_q(Tensor xq, Tensor sx, int k, Tensor panels, Tensor corr, Tensor scale, int n,
 //                      Tensor? bias=None) -> Tensor
 //       the same product from x already quantized: xq uint8 [M, ceil(k / 64) * 64]
