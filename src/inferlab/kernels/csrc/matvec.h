@@ -26,7 +26,7 @@
 
 namespace inferlab_matvec {
 
-using namespace inferlab_simd;  // load8, to_float, hsum, hmax, pack32
+using namespace inferlab_simd;  // load8, to_float, hsum, hmax, pack32u
 
 constexpr int kRowsW = 4;  // weight rows per block (one horizontal reduction handles 4 sums)
 constexpr int kRowsX = 3;  // rows of x per micro-kernel call: 3 x 4 = 12 of the 16 ymm registers
@@ -897,12 +897,6 @@ inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int
 // registers), so that its lines are read from memory once.
 constexpr int kPanelRowsXI8 = 4;
 constexpr int kPanelsPerTileI8 = 1;  // the unit column ranges are cut in (linear.cpp)
-
-// 32 int32 values (4 vectors of 8) in [0, 255] to 32 uint8 in order: pack32's unsigned twin.
-inline __m256i pack32u(__m256i a, __m256i b, __m256i c, __m256i d) {
-  const __m256i ab = _mm256_packs_epi32(a, b), cd = _mm256_packs_epi32(c, d);
-  return _mm256_permutevar8x32_epi32(_mm256_packus_epi16(ab, cd), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
 
 // One row of x as u8 codes, padded to whole groups with 128 (q = 0), and its group scales: the
 // AVX-512 variant's arithmetic (the same codes, bit for bit).
