@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_marks import needs_int8_dot
 from same_outputs import assert_same_greedy
 
 from inferlab import LLM, SamplingParams
@@ -49,10 +50,7 @@ def _generate(path, monkeypatch, use_step: bool, weight_dtype: str, n_prompts: i
     return outs
 
 
-W8A8 = pytest.param("w8a8", 5, marks=pytest.mark.skipif(
-    not build.kernel_info().int8_dot,
-    reason=f"w8a8 needs the kernels' integer dot product (AVX2 or AVX512_VNNI); this process has "
-           f"{build.kernel_info().variant}"))
+W8A8 = pytest.param("w8a8", 5, marks=needs_int8_dot)
 
 
 # 1 and 2 rows: the norm computed by every thread, x rows read in registers; 7: the shared norm,

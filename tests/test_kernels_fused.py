@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_marks import needs_int8_dot
 from same_outputs import assert_same_greedy
 
 from inferlab import LLM, SamplingParams
@@ -143,9 +144,7 @@ def test_fused_forward_gives_the_same_tokens_and_logprobs(tiny_llama, monkeypatc
     assert_same_greedy(fused, plain, top_ids=True)
 
 
-@pytest.mark.skipif(not build.kernel_info().int8_dot,
-                    reason=f"w8a8 needs the kernels' integer dot product (AVX2 or AVX512_VNNI); this process has "
-                           f"{build.kernel_info().variant}")
+@needs_int8_dot
 def test_w8a8_norms_and_silu_handing_over_codes_change_no_bit(tiny_llama):
     """The fused layers of w8a8 in panels quantize the norms' and SiLU's rows as they make them
     (add_rms_norm_q8_, silu_mul_q8): the same tokens and logprobs, to the bit, as the rows

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_marks import needs_int8_dot
 
 from inferlab import LLM, SamplingParams
 from inferlab.config import CacheConfig, LoadConfig
@@ -447,10 +448,6 @@ def test_bf16_products_are_bf16_x_times_bf16_w_in_float32(m):
     assert 1e-6 < rel < 2.0**-7  # x really was rounded (a float32 product is ~1e-7), and no worse than that
 
 
-needs_int8_dot = pytest.mark.skipif(
-    not build.kernel_info().int8_dot,
-    reason=f"w8a8 needs our kernels' integer dot product (AVX2 vpmaddwd or AVX512_VNNI vpdpbusd); "
-           f"this process has none ({build.unavailable_reason() or build.kernel_info().variant})")
 W8A8_CASES = [(m, k) for k in (45, 576, 600) for m in (1, 3, 4, 5, 32, 127)]  # K: a tail group, whole groups, both
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernel_marks import needs_int8_dot
 
 from inferlab.config import LoadConfig
 from inferlab.engine.request import SamplingParams
@@ -240,9 +241,7 @@ def test_a_rank_with_other_kernels_says_which_field_differs():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(not build.kernel_info().int8_dot,
-                    reason=f"w8a8 needs the kernels' integer dot product (AVX2 or AVX512_VNNI); this process has "
-                           f"{build.kernel_info().variant}")
+@needs_int8_dot
 def test_tp2_runs_w8a8_in_panels_where_the_norms_and_silu_hand_over_codes(llama):
     # The row-parallel down_proj takes SiLU's codes (RowParallelLinear.product_q8) and sums the
     # ranks' partial products. Not tp=1's bits: a rank quantizes its own slice of the rows, in
