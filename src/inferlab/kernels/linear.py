@@ -218,7 +218,8 @@ class WeightOnlyLinear:
         # and the integer dot product (kernel.int8_dot) runs on the stored codes, kept in panels
         # (`pack_panels_i8`, `i8_panels`), the one copy every row count multiplies. x goes in as
         # unsigned bytes (q + 128): -128 x the weight's group sums (`row_sums`), computed here
-        # once, undo that offset. Both variants (vpdpbusd, vpmaddwd) give the same bits.
+        # once, undo that offset. Both variants (vpdpbusd, vpmaddwd) make the same exact group sums
+        # and the same float32 steps after them.
         self.row_sums: torch.Tensor | None = None
         if int8_activations and stored_dtype != torch.int8:
             raise ValueError("int8_activations needs int8 weights")
