@@ -204,11 +204,12 @@ def test_no_block_holding_a_draft_enters_the_prefix_cache():
         assert r.num_computed_tokens == r.num_tokens - 1
 
 
-def test_drafts_are_trimmed_to_the_budget_max_tokens_and_the_context_window():
+def test_drafts_are_trimmed_to_the_budget_max_tokens_the_context_window_and_the_reply_end():
     for kw, req_kw, want in (
         (dict(max_num_batched_tokens=3), {}, 2),  # 1 + 2 drafts fill the budget of 3
         ({}, dict(max_tokens=3), 1),  # 1 out; this step may yield at most 2 more
         (dict(max_model_len=11), {}, 1),  # 9 tokens; at most 2 more fit the window of 11
+        ({}, dict(stop_token_ids=[11]), 2),  # 14 10, not the stop token 11 and what follows it
     ):
         sched = spec_scheduler(**kw)
         r = make_request("r", PROMPT, **{"max_tokens": 32, **req_kw})
@@ -251,12 +252,13 @@ def test_drafts_for_sampled_penalised_and_min_tokens_requests(params):
     assert rows[3].output_token_ids == s.output_token_ids + s.draft_token_ids[:3]
 
 
-def test_a_stop_token_inside_the_accepted_run_ends_it_there():
+def test_drafts_end_before_a_stop_token_which_the_step_still_samples():
     sched = spec_scheduler()
     r = make_request("r", PROMPT, max_tokens=32, stop_token_ids=[10])
     prefill(sched, r)
     so = sched.schedule()
-    core = verify(sched, so, {"r": [14, 10, 11, 12, 5]})  # all accepted; 10 is a stop token
+    assert so.scheduled[0].draft_token_ids == [14]  # not 14 10 11 12: nothing after 10 is ever kept
+    core = verify(sched, so, {"r": [14, 10]})  # 14 accepted; the row after it samples the stop token
     assert core["r"].new_token_ids == [14, 10]
     assert core["r"].finish_reason == "stop" and core["r"].stop_reason == 10
     assert r.output_token_ids == [13, 14, 10]
@@ -362,7 +364,10 @@ def test_fuzz_invariants_with_drafts():
             assert set(pool.cached_blocks) <= real
             for r in sched.running:
                 if r.num_output_tokens:
-                    assert r.num_computed_tokens == r.num_tokens - 1 or r.num_computed_tokens < r.num_prompt_tokens
+                    # Decoding: all but the last computed; or still in its prompt, or (preempted)
+                    # recomputing prompt and output in chunks.
+                    limit = r.num_tokens - 1 if r.num_preemptions else r.num_prompt_tokens
+                    assert r.num_computed_tokens == r.num_tokens - 1 or r.num_computed_tokens < limit
                 held = len(sched.kv_cache_manager.get_block_ids(r.request_id))
                 assert held == -(-r.num_computed_tokens // block) or held * block >= r.num_computed_tokens
         assert not sched.has_unfinished_requests()

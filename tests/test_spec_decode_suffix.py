@@ -12,6 +12,7 @@ from test_spec_decode_engine import prompts
 
 from inferlab import LLM, SamplingParams
 from inferlab.engine.request import Request
+from inferlab.engine.spec_decode import until_end
 from inferlab.engine.suffix_proposer import SEP, SuffixProposer, TokenBuffer, longest_match, walk
 from inferlab.models.testing import make_tiny_hf_model
 
@@ -113,6 +114,37 @@ def test_global_tree_drafts_from_other_requests_outputs_and_forgets_the_oldest()
     p.finish(req("c", [1], [30, 31, 32]))  # beyond the bound: "a" leaves
     assert list(p.cached) == ["c"]
     assert p.propose_requests([(req("d", [10, 11, 12]), 4)]) == {}
+
+
+def test_no_drafts_where_the_longer_match_says_the_reply_ends():
+    """A reply that copied its prompt: its own tokens go on where the prompt went on, the replies
+    of the same request that just finished ended there (EOS = 2). The global corpus's match is
+    the longer: no drafts, not the prompt's next tokens."""
+    p = SuffixProposer(4, max_depth=12, min_token_prob=0.0)
+    prompt = [40, 41, 42, 43, 44, 45, 46, 47, 9, 9, 9, 50, 51, 52]
+    reply = [40, 41, 42, 99, 44, 45, 46, 47]  # an edit: its own match is [44 .. 47], the corpus's all of it
+    for i in range(3):
+        p.finish(Request(f"done{i}", prompt, SamplingParams(), eos_token_ids=(2,), output_token_ids=reply + [2]))
+    last = Request("last", prompt, SamplingParams(), eos_token_ids=(2,), output_token_ids=list(reply))
+    assert p.propose_requests([(last, 4)]) == {}
+    # Where EOS does not end it, the end's evidence is no evidence: the corpus's EOS is a token like any.
+    free = Request("free", prompt, SamplingParams(ignore_eos=True), eos_token_ids=(2,), output_token_ids=list(reply))
+    assert p.propose_requests([(free, 4)]) == {"free": [9, 9, 9, 50]}
+    # A shorter match that ends is outweighed by a longer one that goes on (its own prompt).
+    q = SuffixProposer(4, max_depth=12, min_token_prob=0.0)
+    q.finish(Request("other", [1], SamplingParams(), eos_token_ids=(2,), output_token_ids=[46, 47, 2]))
+    assert q.propose_requests([(Request("r", prompt, SamplingParams(), eos_token_ids=(2,),
+                                        output_token_ids=list(reply)), 4)]) == {"r": [9, 9, 9, 50]}
+
+
+def test_a_draft_never_reaches_past_the_end_of_the_reply():
+    assert until_end([5, 6, 2, 7], frozenset({2})) == [5, 6]
+    assert until_end([2, 7], frozenset({2, 3})) == []
+    assert until_end([5, 6], frozenset()) == [5, 6]
+    request = Request("r", [1], SamplingParams(stop_token_ids=[3]), eos_token_ids=(2,))
+    assert request.end_token_ids == {2, 3}
+    request.sampling_params.ignore_eos = True
+    assert request.end_token_ids == {3}
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])

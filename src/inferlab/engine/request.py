@@ -260,6 +260,14 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    @property
+    def end_token_ids(self) -> frozenset[int]:
+        """The tokens that end its reply (once min_tokens are out): its stop_token_ids, and EOS
+        unless ignore_eos."""
+        params = self.sampling_params
+        ends = frozenset(params.stop_token_ids)
+        return ends if params.ignore_eos else ends | frozenset(self.eos_token_ids)
+
     def token_slice(self, start: int, end: int) -> list[int]:
         p = len(self.prompt_token_ids)
         if end <= p:

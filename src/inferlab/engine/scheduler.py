@@ -50,7 +50,7 @@ from inferlab.engine.outputs import (
     SchedulerStats,
 )
 from inferlab.engine.request import Request, RequestStatus, TokenLogprobs
-from inferlab.engine.spec_decode import Proposer, SpecDecodeStats
+from inferlab.engine.spec_decode import Proposer, SpecDecodeStats, until_end
 from inferlab.engine.spec_policy import PRIOR_ROW_COST, SpecPolicy
 from inferlab.engine.suffix_proposer import SuffixProposer
 
@@ -348,6 +348,10 @@ class Scheduler:
             return {}
         t0 = self.clock()
         drafts = self.proposer.propose_requests(batch)
+        for request, _ in batch:
+            d = drafts.get(request.request_id)
+            if d:  # a draft after the reply's end is never kept, and the end itself is sampled anyway
+                drafts[request.request_id] = until_end(d, request.end_token_ids)
         if self.policy is not None:
             self.policy.observe_proposal(self.clock() - t0, sum(len(d) for d in drafts.values()), len(batch))
             for rid in shadows:  # checked against the tokens decoded, never scheduled

@@ -54,6 +54,17 @@ def position_rows(s: ScheduledRequest) -> list[ScheduledRequest]:
     return [s] + [replace(s, output_token_ids=out + drafts[:j], draft_depth=j) for j in range(1, k + 1)]
 
 
+def until_end(drafts: list[int], end_token_ids: frozenset[int]) -> list[int]:
+    """The drafts before the first one that would end the reply. A draft that ends it is the
+    token the row before it samples anyway (accepted or not, the reply ends the same step), and
+    what follows it is never kept: rows spent for nothing (at the end of a reply that copied
+    its prompt, the prompt goes on where the reply stops)."""
+    for i, token in enumerate(drafts):
+        if token in end_token_ids:
+            return drafts[:i]
+    return drafts
+
+
 def accept_greedy(drafts: Sequence[int], targets: Sequence[int]) -> list[int]:
     """The tokens one verification step yields: the longest prefix of `drafts` equal to the
     `targets` sampled at the same positions (argmax when greedy), then the target after it (the

@@ -147,16 +147,22 @@ class SuffixProposer:
             if own is None:
                 own = self.local[request.request_id] = TokenBuffer()
             tokens = own.sync(request.prompt_token_ids, request.output_token_ids)
-            drafts = self.propose(tokens, room, tokens)
+            drafts = self.propose(tokens, room, tokens, request.end_token_ids)
             if drafts:
                 out[request.request_id] = drafts
         return out
 
-    def propose(self, context: Sequence[int], room: int, own: Sequence[int] | None = None) -> list[int]:
+    def propose(self, context: Sequence[int], room: int, own: Sequence[int] | None = None,
+                end_token_ids: frozenset[int] = frozenset()) -> list[int]:
         """Drafts to follow `context`: the better of the proposal from `own` (the request's
-        tokens; `context` itself in the engine) and the global corpus's."""
+        tokens; `context` itself in the engine) and the global corpus's. None where the proposal
+        with the longer match says the reply ends next (one of `end_token_ids`): the longer
+        context is the better evidence, and a reply that copied its prompt ends where the
+        prompt's copy goes on (32 edits of one file at 32 streams: the last 14 requests drafted
+        the prompt's next 1-4 tokens at their final step, all rejected, the step 2x as long,
+        while the 18 replies that had just finished all ended there)."""
         best: list[int] = []
-        best_score = 0.0
+        best_score, best_match, end_match = 0.0, 0, 0
         max_match = self.depth - min(self.k, room)
         for seq in (own, self.global_corpus()):
             if seq is None or len(seq) == 0:
@@ -167,9 +173,11 @@ class SuffixProposer:
                 continue
             limit = min(self.k, room, max(1, int(m * self.factor)))
             drafts, score = walk(arr, ends, m, self.depth, limit, self.min_prob)
-            if score > best_score:
-                best, best_score = drafts, score
-        return best
+            if drafts and drafts[0] in end_token_ids:
+                end_match = max(end_match, m)
+            elif score > best_score:
+                best, best_score, best_match = drafts, score, m
+        return [] if end_match > best_match else best
 
     def global_corpus(self) -> np.ndarray:
         """The cached outputs, each followed by SEP, oldest first (one concatenation per change)."""
