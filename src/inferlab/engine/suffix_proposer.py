@@ -159,7 +159,7 @@ class SuffixProposer:
         with the longer match says the reply ends next (one of `end_token_ids`): the longer
         context is the better evidence, and a reply that copied its prompt ends where the
         prompt's copy goes on (32 edits of one file at 32 streams: the last 14 requests drafted
-        the prompt's next 1-4 tokens at their final step, all rejected, the step 2x as long,
+        the prompt's next 1-4 tokens at their final step, all rejected, the step 2-3x as long,
         while the 18 replies that had just finished all ended there)."""
         best: list[int] = []
         best_score, best_match, end_match = 0.0, 0, 0
