@@ -376,8 +376,7 @@ def step_once(run: Stepped) -> None:
     if not eng.has_unfinished_requests():
         raise RuntimeError("the engine stopped before every request finished")
     prompt: list[bool] = []
-    eng.step_observer = lambda so, ro: prompt.append(any(len(s.token_ids) != 1 + s.num_draft_tokens
-                                                             for s in so.scheduled))
+    eng.step_observer = lambda so, ro: prompt.append(not so.decode_only)
     try:
         t = time.perf_counter()
         outs = eng.step()

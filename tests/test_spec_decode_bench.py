@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from inferlab.engine.outputs import SchedulerOutput
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from spec_decode import Stepped, decode_ratio, merge_processes, prompt_share, rates, ratio_interval, step_once  # noqa: E402
@@ -49,9 +51,8 @@ def test_prompt_steps_are_told_apart_from_the_decode_steps() -> None:
     prompt_seconds too; a decode step with drafts does not. Merged rows sum them, and the decode
     ratio compares only the rest: here the methods' prompt steps differ by noise alone."""
 
-    class Sched:
-        def __init__(self, rows: list[tuple[int, int]]) -> None:
-            self.scheduled = [type("S", (), {"token_ids": [0] * n, "num_draft_tokens": d})() for n, d in rows]
+    def step_of(rows: list[tuple[int, int]]) -> SchedulerOutput:
+        return SchedulerOutput([type("S", (), {"token_ids": [0] * n, "num_draft_tokens": d})() for n, d in rows], 0)
 
     class Engine:
         step_observer = None
@@ -63,7 +64,7 @@ def test_prompt_steps_are_told_apart_from_the_decode_steps() -> None:
             return bool(self.steps)
 
         def step(self) -> list:
-            self.step_observer(Sched(self.steps.pop(0)), None)
+            self.step_observer(step_of(self.steps.pop(0)), None)
             return []
 
         def trim_heap(self) -> None:

@@ -166,7 +166,7 @@ class LLMEngine(RequestBook):
         steps: list[tuple[int, float]] = []
 
         def record(so: SchedulerOutput, ro: ModelRunnerOutput) -> None:
-            if all(len(s.token_ids) == 1 + s.num_draft_tokens for s in so.scheduled):  # decode-only
+            if so.decode_only:
                 steps.append((so.num_scheduled_tokens, ro.step_time))
 
         observer, self.step_observer = self.step_observer, record

@@ -56,6 +56,12 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    @property
+    def decode_only(self) -> bool:
+        """Every request computes one token and its drafts: no prompt tokens in this step (the
+        speculation rule's step costs are fitted on such steps, and drafts are verified only there)."""
+        return all(len(s.token_ids) == 1 + s.num_draft_tokens for s in self.scheduled)
+
 
 @dataclass
 class ModelRunnerOutput:

@@ -387,7 +387,7 @@ class Scheduler:
         window (finish "length"). Requests aborted since the step was scheduled are skipped.
         """
         self.kv_cache_manager.mark_written()
-        if self.policy is not None and all(len(s.token_ids) == 1 + s.num_draft_tokens for s in scheduler_output.scheduled):
+        if self.policy is not None and scheduler_output.decode_only:
             self.policy.observe_step(scheduler_output.num_scheduled_tokens, runner_output.step_time)
         now = self.clock()
         outputs: list[EngineCoreOutput] = []
