@@ -880,8 +880,10 @@ inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int
 // on a Zen 3, vpsignb, vpmaddubsw and vpmaddwd each run 2 a cycle and all three together 2
 // (measured), so 32 products took 1.5 cycles, float32 FMA's rate in practice. Here the codes
 // are widened to int16 as they are loaded (vpmovsxbw: 16 bytes, 4 columns x a quad), x's u8
-// codes once per call, and vpmaddwd multiplies: 16 products an instruction into int32 pairs,
-// exact (2 x 255 x 127 < 2^31). The panels, corrections, the exact group sums and the float32
+// codes once per call, as q = u - 128 (vpmaddwd multiplies signed int16, so the AVX-512
+// variant's corrections are not needed here and not read: at one row, where the step streams its
+// weights, they were 1/16 more bytes), and vpmaddwd multiplies: 16 products an instruction into
+// int32 pairs, exact (2 x 128 x 127 < 2^31). The panels, the exact group sums and the float32
 // steps after them are vpdpbusd's above, in the same order, so the two variants should give the
 // same bits (test_w8a8_gives_the_same_results_on_both_variants holds them to float32's rounding
 // and runs where a CPU has both). Measured on one core of a Zen 3, SmolLM2's four layer shapes
@@ -940,7 +942,7 @@ inline void quantize_rows_u8(const float* x, int64_t M, int64_t K, uint8_t* dst,
 // c0 c1 c2 c3 c4 c5 c6 c7 <-> c0 c1 c4 c5 c2 c3 c6 c7 (vphaddd's order; the swap is its own inverse).
 inline __m256i swap_mid_pairs(__m256i v) { return _mm256_permute4x64_epi64(v, 0xD8); }
 
-// x's u8 codes (M rows of stride ldx, a multiple of 64) as int16, interleaved for the tiles: row
+// x's u8 codes (M rows of stride ldx, a multiple of 64) as int16 q = u - 128, interleaved for the tiles: row
 // tile t's quad j holds its kPanelRowsXI8 rows' 4 codes each, contiguous, at
 // dst + ((t * ldx / 4 + j) * kPanelRowsXI8 + r) * 4 (rows past M are left as they are: never read).
 // Why: a tile's broadcasts then come from one pointer, k steps by constant offsets.
@@ -950,8 +952,8 @@ inline void interleave_x_i16(const uint8_t* xq, int64_t M, int64_t ldx, int16_t*
     int16_t* d = dst + ((i / kPanelRowsXI8) * quads * kPanelRowsXI8 + i % kPanelRowsXI8) * 4;
     for (int64_t k = 0; k < ldx; k += 16) {
       alignas(32) int16_t w[16];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(w),
-                         _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + i * ldx + k))));
+      const __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + i * ldx + k)));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(w), _mm256_sub_epi16(u, _mm256_set1_epi16(128)));
       for (int c = 0; c < 4; ++c) std::memcpy(d + (k / 4 + c) * kPanelRowsXI8 * 4, w + 4 * c, 4 * sizeof(int16_t));
     }
   }
@@ -959,11 +961,16 @@ inline void interleave_x_i16(const uint8_t* xq, int64_t M, int64_t ldx, int16_t*
 
 // y[i * ldy + c] = (sum_g dot_g(q row i, column c) * sx[i][g]) * scale[c] + bias[c] for c < cols
 // (<= 8 NH) of NH halves of panel wp from half h0 on (its columns 8 h0 ..), MB rows of x (one row
-// tile of interleave_x_i16, scales sx + i * groups); corr: the panel's corrections [groups][16].
-// Stream: the panel comes from memory (prefetched kPrefetchBytes ahead, a line per quad).
-template <int MB, int NH, bool Stream>
+// tile of interleave_x_i16, scales sx + i * groups). Not prefetched in software: a panel is one
+// linear stream, which the hardware prefetcher follows, and a prefetch a quad (16 KiB ahead, as
+// the row kernels') only held the step back: the default model's w8a8 decode at one stream on a
+// Zen 3, 6 alternated pairs of runs with the corrections' reads dropped too, 6.54 -> 6.23 ms
+// (median; 5 of 6 pairs faster), its products 74-83% -> 77-93% of torch.sum's bandwidth read
+// in the same runs; 32 streams even (3 pairs). (Prefetching 4-32 KiB ahead, into L1 or L2,
+// measured alike: session 30's results/profile_step.md.)
+template <int MB, int NH>
 inline void panel_tile_i8(const int16_t* xt, const float* sx, int64_t groups, const int8_t* wp, int h0,
-                          const int32_t* corr, const float* scale, const float* bias, int cols, float* y, int64_t ldy) {
+                          const float* scale, const float* bias, int cols, float* y, int64_t ldy) {
   constexpr int64_t kGroupBytes = kI8Group * kPanel;  // a group of a panel: 16 quads of 64 bytes
   __m256 acc[MB][NH];
 #pragma GCC unroll 4
@@ -979,7 +986,6 @@ inline void panel_tile_i8(const int16_t* xt, const float* sx, int64_t groups, co
       for (int r = 0; r < 2 * NH; ++r) s[i][r] = _mm256_setzero_si256();
 #pragma GCC unroll 16
     for (int q = 0; q < kI8Group / 4; ++q) {
-      if constexpr (Stream) _mm_prefetch(reinterpret_cast<const char*>(w) + q * 64 + kPrefetchBytes, _MM_HINT_T0);
       __m256i wv[2 * NH];  // 4 columns x the quad each
 #pragma GCC unroll 4
       for (int r = 0; r < 2 * NH; ++r)
@@ -1000,11 +1006,9 @@ inline void panel_tile_i8(const int16_t* xt, const float* sx, int64_t groups, co
     }
 #pragma GCC unroll 2
     for (int h = 0; h < NH; ++h) {
-      const __m256i c =
-          swap_mid_pairs(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(corr + g * kPanel + 8 * (h0 + h))));
 #pragma GCC unroll 4
       for (int i = 0; i < MB; ++i) {
-        const __m256i t = _mm256_add_epi32(_mm256_hadd_epi32(s[i][2 * h], s[i][2 * h + 1]), c);
+        const __m256i t = _mm256_hadd_epi32(s[i][2 * h], s[i][2 * h + 1]);
         acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(sx[i * groups + g]), acc[i][h]);
       }
     }
@@ -1023,13 +1027,13 @@ inline void panel_tile_i8(const int16_t* xt, const float* sx, int64_t groups, co
   }
 }
 
-// The AVX-512 variant's panel_products_i8 (the same arguments, the same bits). One or two rows
-// (decode of one or two streams): each panel whole, in one pass. More: each panel's halves in
-// turn, every row tile over a half before the next, so a panel is read from memory once (by the
-// first row tile, prefetched) and from L1 by the others.
+// The AVX-512 variant's panel_products_i8 (the same arguments, the same bits; `corr` and `cold`
+// unused). One or two rows (decode of one or two streams): each panel whole, in one pass. More:
+// each panel's halves in turn, every row tile over a half before the next, so a panel is read
+// from memory once (by the first row tile) and from L1 by the others.
 inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int64_t K, const int8_t* panels,
-                              const int32_t* corr, int64_t r0, int64_t rows, const float* scale, const float* bias,
-                              float* y, int64_t ldy, bool /*cold*/) {
+                              const int32_t* /*corr*/, int64_t r0, int64_t rows, const float* scale,
+                              const float* bias, float* y, int64_t ldy, bool /*cold*/) {
   const int64_t groups = i8_groups(K), ldx = groups * kI8Group;
   const int64_t tiles = (M + kPanelRowsXI8 - 1) / kPanelRowsXI8;
   thread_local std::vector<int16_t> x16;  // interleave_x_i16's copy of x, per thread, grown once
@@ -1039,15 +1043,11 @@ inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int
   for (int64_t j = 0; j < np; ++j) {
     const int64_t c0 = j * kPanel, col = r0 + c0;  // this panel's first column
     const int8_t* wp = panels + col * ldx;         // panel col / 16
-    const int32_t* cp = corr + col * groups;
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, rows - c0));
     const float* bs = bias ? bias + col : nullptr;
-    if (M == 1) {
-      panel_tile_i8<1, 2, true>(x16.data(), sx, groups, wp, 0, cp, scale + col, bs, cols, y + c0, ldy);
-      continue;
-    }
-    if (M == 2) {
-      panel_tile_i8<2, 2, true>(x16.data(), sx, groups, wp, 0, cp, scale + col, bs, cols, y + c0, ldy);
+    if (M <= 2) {
+      if (M == 1) panel_tile_i8<1, 2>(x16.data(), sx, groups, wp, 0, scale + col, bs, cols, y + c0, ldy);
+      else panel_tile_i8<2, 2>(x16.data(), sx, groups, wp, 0, scale + col, bs, cols, y + c0, ldy);
       continue;
     }
     for (int half = 0; half < 2 && cols > 8 * half; ++half) {
@@ -1059,8 +1059,7 @@ inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int
         const float* sc = scale + col + 8 * half;
         const float* bm = bs ? bs + 8 * half : nullptr;
         float* yt = y + m * ldy + c0 + 8 * half;
-        if (m == 0 && half == 0) panel_tile_i8<MB, 1, true>(xt, sm, groups, wp, half, cp, sc, bm, hc, yt, ldy);
-        else panel_tile_i8<MB, 1, false>(xt, sm, groups, wp, half, cp, sc, bm, hc, yt, ldy);
+        panel_tile_i8<MB, 1>(xt, sm, groups, wp, half, sc, bm, hc, yt, ldy);
       });
     }
   }
