@@ -961,13 +961,17 @@ inline void interleave_x_i16(const uint8_t* xq, int64_t M, int64_t ldx, int16_t*
 
 // y[i * ldy + c] = (sum_g dot_g(q row i, column c) * sx[i][g]) * scale[c] + bias[c] for c < cols
 // (<= 8 NH) of NH halves of panel wp from half h0 on (its columns 8 h0 ..), MB rows of x (one row
-// tile of interleave_x_i16, scales sx + i * groups). Not prefetched in software: a panel is one
-// linear stream, which the hardware prefetcher follows, and a prefetch a quad (16 KiB ahead, as
-// the row kernels') only held the step back: the default model's w8a8 decode at one stream on a
-// Zen 3, 6 alternated pairs of runs with the corrections' reads dropped too, 6.54 -> 6.23 ms
-// (median; 5 of 6 pairs faster), its products 74-83% -> 77-93% of torch.sum's bandwidth read
-// in the same runs; 32 streams even (3 pairs). (Prefetching 4-32 KiB ahead, into L1 or L2,
-// measured alike: session 30's results/profile_step.md.)
+// tile of interleave_x_i16, scales sx + i * groups). One or two rows (the tile streams the panel
+// from memory, at the memory's rate) prefetch a line a quad kPanelAheadI8 ahead; more rows (the
+// first row tile reads the panel from memory, the others from L1) leave it to the hardware.
+// Measured with the default model's w8a8 decode at one stream on a Zen 3: the row kernels' 16 KiB
+// ahead against none, 6 alternated pairs of processes (the corrections' reads dropped in both),
+// 6.54 -> 6.23 ms (none faster in 5 of 6); then in one process, rounds alternated, against none:
+// 512 bytes ahead 1.01x the step, 768 1.04, 1 KiB 0.87-0.92 (11 of 12, 9 of 10, 7 of 8 rounds
+// faster), 1.5 KiB 0.88, 2 KiB 0.89, 4 KiB 0.90, 16 KiB 0.98. About a memory latency's worth of
+// the stream (~100 ns at 10-15 GB/s a core): nearer, a line is not there in time; farther, the
+// lines wait in L1 and the misses in flight. 32 streams: none and 16 KiB even (3 pairs).
+constexpr int64_t kPanelAheadI8 = 1024;
 template <int MB, int NH>
 inline void panel_tile_i8(const int16_t* xt, const float* sx, int64_t groups, const int8_t* wp, int h0,
                           const float* scale, const float* bias, int cols, float* y, int64_t ldy) {
@@ -986,6 +990,7 @@ inline void panel_tile_i8(const int16_t* xt, const float* sx, int64_t groups, co
       for (int r = 0; r < 2 * NH; ++r) s[i][r] = _mm256_setzero_si256();
 #pragma GCC unroll 16
     for (int q = 0; q < kI8Group / 4; ++q) {
+      if constexpr (MB <= 2) _mm_prefetch(reinterpret_cast<const char*>(w) + q * 64 + kPanelAheadI8, _MM_HINT_T0);
       __m256i wv[2 * NH];  // 4 columns x the quad each
 #pragma GCC unroll 4
       for (int r = 0; r < 2 * NH; ++r)
