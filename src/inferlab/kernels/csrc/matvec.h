@@ -965,8 +965,8 @@ inline void interleave_x_i16(const uint8_t* xq, int64_t M, int64_t ldx, int16_t*
 // from memory, at the memory's rate) prefetch a line a quad kPanelAheadI8 ahead; more rows (the
 // first row tile reads the panel from memory, the others from L1) leave it to the hardware.
 // Measured with the default model's w8a8 decode at one stream on a Zen 3: the row kernels' 16 KiB
-// ahead against none, 6 alternated pairs of processes (the corrections' reads dropped in both),
-// 6.54 -> 6.23 ms (none faster in 5 of 6); then in one process, rounds alternated, against none:
+// ahead (and the corrections read) against no prefetch (and none read), 6 alternated pairs of
+// processes, 6.54 -> 6.23 ms (5 of 6 faster); then in one process, rounds alternated, against none:
 // 512 bytes ahead 1.01x the step, 768 1.04, 1 KiB 0.87-0.92 (11 of 12, 9 of 10, 7 of 8 rounds
 // faster), 1.5 KiB 0.88, 2 KiB 0.89, 4 KiB 0.90, 16 KiB 0.98. About a memory latency's worth of
 // the stream (~100 ns at 10-15 GB/s a core): nearer, a line is not there in time; farther, the
