@@ -64,8 +64,10 @@ def test_decode_step_gives_the_per_operator_tokens_and_logprobs(models, monkeypa
     # bf16 products (AVX512-BF16) round x to bf16: a 1-ulp difference between the paths' norms
     # can flip an element's rounding (2^-8 of it), so their logprobs agree to ~1e-3, not 1e-4.
     # int8 weight-only from INT8_BF16_MIN_ROWS rows too (its codes as bf16 tiles, x rounded).
-    # w8a8 too: a last-bit difference can move a value across a quantization step.
-    tol = 5e-3 if weight_dtype in ("bfloat16", "int8", "w8a8") and build.kernel_info().bf16_dot else 1e-4
+    # w8a8 on either variant: a last-bit difference can move a value across a quantization step
+    # (on avx2 a 7-bit one: seen 2e-3).
+    rounds_x = weight_dtype == "w8a8" or (weight_dtype in ("bfloat16", "int8") and build.kernel_info().bf16_dot)
+    tol = 5e-3 if rounds_x else 1e-4
     assert_same_greedy(step, ops, tol=tol, top_ids=True)
 
 

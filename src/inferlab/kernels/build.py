@@ -12,7 +12,7 @@ One decision per machine, made once from the CPU's flags (/proc/cpuinfo) and fro
 `kernel_info()`: the AVX-512 variant (F/BW/VL/DQ + BF16 + VNNI: bf16 weights multiplied with
 vdpbf16ps, int8 with vpdpbusd) where every one of those flags is there, else the AVX2 variant
 (AVX2 + FMA + F16C; the same flags and code as before the AVX-512 variant existed, w8a8's int8
-x int8 with vpmaddwd on the same panels), else none
+x 7-bit x with vpmaddubsw on the same panels), else none
 (plain torch operators). `INFERLAB_KERNELS` overrides it: 0 turns the kernels off, avx2 asks for
 the AVX2 variant on any CPU that has it (A/B runs on an AVX-512 machine), avx512 for the
 AVX-512 one; a variant the CPU lacks, or an unknown value, is a one-line error.
@@ -65,7 +65,11 @@ class KernelInfo:
     variant), empty otherwise. bf16_dot: the decode kernels multiply bf16 weights with
     vdpbf16ps (activations rounded to bf16 per row, float32 sums). int8_dot: the integer dot
     product that int8 weights with int8 activations (weight_dtype w8a8) run on, codes in panels,
-    "vpdpbusd" (VNNI) or "vpmaddwd" (AVX2: codes widened to int16), or "" (no kernels: no w8a8);
+    "vpdpbusd" (VNNI) or "vpmaddubsw" (AVX2), or "" (no kernels: no w8a8); int8_x_group and
+    int8_x_max: how w8a8 quantizes x (values per scale, largest code: 64 and 127 on AVX-512, 16
+    and 63 on AVX2, whose vpmaddubsw holds 7-bit x exactly; csrc/matvec.h), and int8_panel_xor
+    what the panels hold (128: the codes' sign bit flipped, u = w + 128, vpmaddubsw's unsigned
+    operand);
     int4_dot: the one 4-bit weights run on ("vpmaddubsw" on AVX2: 4-bit codes do not saturate it).
     auto_weight_dtype: what weight_dtype "auto" stores when compute is float32 ("bfloat16",
     "float16", or "" for none: the compute dtype).
@@ -87,7 +91,24 @@ class KernelInfo:
 
     @property
     def int8_dot(self) -> str:
-        return {"avx512": "vpdpbusd", "avx2": "vpmaddwd"}.get(self.variant, "")
+        return {"avx512": "vpdpbusd", "avx2": "vpmaddubsw"}.get(self.variant, "")
+
+    @property
+    def int8_x_group(self) -> int:
+        return {"avx512": 64, "avx2": 16}.get(self.variant, 0)
+
+    @property
+    def int8_x_max(self) -> int:
+        return {"avx512": 127, "avx2": 63}.get(self.variant, 0)
+
+    @property
+    def int8_panel_xor(self) -> int:
+        return 128 if self.variant == "avx2" else 0
+
+    def describe_w8a8(self) -> str:
+        """How w8a8 multiplies here, in a few words (the load log, the server's report)."""
+        bits = self.int8_x_max.bit_length() + 1
+        return f"x quantized to {bits}-bit per {self.int8_x_group} values, {self.int8_dot}"
 
     @property
     def int4_dot(self) -> str:
@@ -103,7 +124,7 @@ class KernelInfo:
             return f"inferlab CPU kernels: none ({self.reason}); plain torch operators"
         path = ("bf16 weights in panels by vdpbf16ps, w8a8 in panels by vpdpbusd, at every row count"
                 if self.bf16_dot else
-                "float16 / int8 weights converted in registers, float32 FMA; w8a8 in panels by vpmaddwd")
+                "float16 / int8 weights converted in registers, float32 FMA; w8a8 in panels by vpmaddubsw")
         extra = f" ({self.reason})" if self.reason else ""
         return f"inferlab CPU kernels: {self.variant}{extra}: {path}; CPU has {' '.join(self.cpu_flags) or '?'}"
 
@@ -111,6 +132,7 @@ class KernelInfo:
         """Plain values for a JSON report (the server's, a benchmark's)."""
         d = dataclasses.asdict(self)
         d.update(available=self.available, bf16_dot=self.bf16_dot, int8_dot=self.int8_dot, int4_dot=self.int4_dot,
+                 int8_x_group=self.int8_x_group, int8_x_max=self.int8_x_max, int8_panel_xor=self.int8_panel_xor,
                  auto_weight_dtype=self.auto_weight_dtype)
         return d
 
@@ -231,7 +253,11 @@ def _build(variant: str, flags: tuple[str, ...], why: str) -> KernelInfo:
         return KernelInfo("none", flags, f"building the kernels failed: {msg.splitlines()[-1] if msg else e!r}")
     if compiled != variant:  # a stale or foreign build: never run code for the wrong CPU
         return KernelInfo("none", flags, f"the {variant} build reports ISA {compiled!r}")
-    return KernelInfo(variant, flags, why, tuple(cflags), str(build_dir))
+    info = KernelInfo(variant, flags, why, tuple(cflags), str(build_dir))
+    numerics = [int(v) for v in torch.ops.inferlab.w8a8_numerics()]
+    if numerics != [info.int8_x_group, info.int8_x_max, info.int8_panel_xor]:  # what we report is what runs
+        return KernelInfo("none", flags, f"the {variant} build's w8a8 numerics {numerics} are not the reported ones")
+    return info
 
 
 def load() -> bool:

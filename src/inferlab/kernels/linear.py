@@ -58,7 +58,7 @@ W16_MKL_MIN_ROWS = 256
 INT8_BF16_MIN_ROWS = 4
 
 _FP16_MAX = torch.finfo(torch.float16).max
-INT8_GROUP = 64  # x values per int8 scale on the w8a8 path (csrc/matvec.h's kI8Group)
+INT8_GROUP = 64  # k values w8a8's panels are padded to (csrc/matvec.h's kI8Group; x's scales: KernelInfo)
 
 
 # torch's 16-bit GEMMs on the CPU go to oneDNN, which builds one primitive per (M, N, K) and keeps
@@ -108,11 +108,18 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return _to_panels(weight, 2, 2)
 
 
-def pack_panels_i8(codes: torch.Tensor) -> torch.Tensor:
+def pack_panels_i8(codes: torch.Tensor, xor: int = 0) -> torch.Tensor:
     """int8 codes [N, K] as the w8a8 kernels multiply them (csrc/matvec.h panel_products_i8):
     panels of 16 output columns, each [Kq / 4, 16, 4] (quads of consecutive k, vpdpbusd's
-    operand; Kq = K rounded up to whole groups of INT8_GROUP), zero-padded to whole panels."""
-    return _to_panels(codes, INT8_GROUP, 4)
+    operand; Kq = K rounded up to whole groups of INT8_GROUP), zero-padded to whole panels;
+    each byte xor `xor` (128 on AVX2: u = w + 128, vpmaddubsw's unsigned operand, padding too)."""
+    panels = _to_panels(codes, INT8_GROUP, 4)
+    return panels ^ _signed_byte(xor) if xor else panels
+
+
+def _signed_byte(v: int) -> int:
+    """A byte's bits as the int8 value torch's xor takes (128 -> -128)."""
+    return v - 256 if v >= 128 else v
 
 
 def unpack_panels(panels: torch.Tensor, n: int, k: int, ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -214,20 +221,24 @@ class WeightOnlyLinear:
         # From MKL_MIN_ROWS rows on, int8 weights (as bf16 codes x scales) go to oneDNN's bf16
         # GEMM there: x and the output rounded to bf16.
         self.bf16_gemm = stored_dtype == torch.int8 and kernel.bf16_dot
-        # w8a8 (`int8_x`): x is quantized to int8 per group of INT8_GROUP values (symmetric)
-        # and the integer dot product (kernel.int8_dot) runs on the stored codes, kept in panels
-        # (`pack_panels_i8`, `i8_panels`), the one copy every row count multiplies. x goes in as
-        # unsigned bytes (q + 128): -128 x the weight's group sums (`row_sums`), computed here
-        # once, undo that offset. Both variants (vpdpbusd, vpmaddwd) make the same exact group sums
-        # and the same float32 steps after them.
+        # w8a8 (`int8_x`): x is quantized per group on the fly (symmetric; kernel.int8_x_group
+        # values per scale, codes up to kernel.int8_x_max) and the integer dot product
+        # (kernel.int8_dot) runs on the stored codes, kept in panels (`pack_panels_i8`,
+        # `i8_panels`), the one copy every row count multiplies. On AVX-512 x goes in as unsigned
+        # bytes (q + 128): -128 x the weight's group sums (`row_sums`), computed here once, undo
+        # that offset. On AVX2 the panels hold the codes with their sign bit flipped (u = w + 128,
+        # vpmaddubsw's unsigned operand; kernel.int8_panel_xor) and the kernel takes the offset
+        # off with x's own sums: `row_sums` is empty there.
         self.row_sums: torch.Tensor | None = None
         if int8_activations and stored_dtype != torch.int8:
             raise ValueError("int8_activations needs int8 weights")
         self.int8_x = int8_activations and bool(kernel.int8_dot)
         self.i8_panels = self.int8_x
+        self.panel_xor = kernel.int8_panel_xor if self.i8_panels else 0
         if self.i8_panels:
-            self.weight = pack_panels_i8(self.weight)
-            self.row_sums = panel_corrections_i8(self.weight)
+            self.weight = pack_panels_i8(self.weight, self.panel_xor)
+            self.row_sums = (panel_corrections_i8(self.weight) if not self.panel_xor
+                             else torch.empty(0, dtype=torch.int32))
             self.bf16_gemm = False
 
     @property
@@ -297,7 +308,8 @@ class WeightOnlyLinear:
         `ids`, whichever layout holds them."""
         n, k = self.out_features, self.in_features
         if self.bf16_products or self.i8_panels:
-            return unpack_panels(self.weight, n, k, ids)
+            codes = unpack_panels(self.weight, n, k, ids)
+            return codes ^ _signed_byte(self.panel_xor) if self.panel_xor else codes
         return self.weight if ids is None else self.weight.index_select(0, ids)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -352,6 +364,7 @@ class Int4Linear(WeightOnlyLinear):
         self.bf16_gemm = kernel.bf16_dot
         self.row_sums = None
         self.int8_x = self.i8_panels = False
+        self.panel_xor = 0
 
     @property
     def bf16_x_min_rows(self) -> int | None:

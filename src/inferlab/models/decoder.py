@@ -63,7 +63,7 @@ class DecoderModel:
         self.precision = precision
         self.backends = backends or select_backends(precision, config)
         dtype = precision.compute
-        self.int8_activations = precision.int8_activations  # x quantized per 64 values, integer dots (kernels/linear.py)
+        self.int8_activations = precision.int8_activations  # x quantized per group, integer dots (kernels/linear.py)
         self.dtype = dtype
         self.weight_dtype = precision.weights
         c = config
@@ -171,7 +171,7 @@ class DecoderModel:
         elif e.use_kernels and self.dtype == torch.float32 and e.weight.device.type == "cpu":
             how = f"our {kernel.variant} kernels"
             if self.int8_activations:
-                how += f", x quantized to int8 per 64 values, {kernel.int8_dot}"
+                how += f", {kernel.describe_w8a8()}"
                 if getattr(e, "i8_panels", False):
                     how += ", codes in panels"
             elif isinstance(e, Int4Linear):

@@ -36,7 +36,7 @@ def _int8_rate(torch, m: int, k: int, repeats: int) -> tuple[float, str] | None:
     torch._int_mm (oneDNN; vpdpbusd where the CPU has VNNI, but without it a reference loop:
     1-2 GOP/s on an AVX2 EPYC, a hundredth of its float32 rate) and the quantized linear of
     torch's quantized engine (fbgemm's u8 x s8 GEMM by vpmaddubsw on AVX2, activations held to 7
-    bits; our avx2 kernels multiply 8-bit codes by vpmaddwd). None where neither runs."""
+    bits, as our avx2 kernels' x is). None where neither runs."""
     work = 2.0 * m * k * k
     rates: list[tuple[float, str]] = []
     qa = torch.randint(-127, 128, (m, k), dtype=torch.int8)

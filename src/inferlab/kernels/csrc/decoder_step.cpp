@@ -26,9 +26,9 @@
 // torch.classes.inferlab.DecoderStep(layer_tensors, final_norm, cos, sin, k_caches, v_caches,
 //                                    [H, kvH, D, block_size(, int8_activations(, bf16_attention))],
 //                                    eps, attn_scale)
-//   int8_activations (default 0): int8 weights multiply x quantized per 64 values by the integer
+//   int8_activations (default 0): int8 weights multiply x quantized per group by the integer
 //     dot product (w8a8: codes in panels, matvec.h's panel_products_i8: by vpdpbusd on AVX-512,
-//     vpmaddwd on AVX2), else float32 products of the codes.
+//     vpmaddubsw on AVX2), else float32 products of the codes.
 //   bf16_attention (default 0): attention over bfloat16 caches with q and P rounded to bf16, by
 //     vdpbf16ps (attention.h decode_task_dot; the avx512 variant), else float32 arithmetic.
 //   layer_tensors: 13 per layer, in order: input_norm, qkv_w, qkv_scale, qkv_bias, q_norm, k_norm,
@@ -183,7 +183,7 @@ struct Work {
   std::vector<float> cols2;  // M * task width: the up half of gate/up
   inferlab_attention::Scratch attn;
   inferlab_q4::Q4X q4x;      // x quantized for 4-bit weights
-  // x rounded to bf16 for bf16 panels (xb), or quantized per 64 values for w8a8 panels (xq, sx),
+  // x rounded to bf16 for bf16 panels (xb), or quantized per group for w8a8 panels (xq, sx),
   // once per phase and thread: a phase's tasks (15 heads of qkv, gate and up) all multiply the
   // same x, and converting it per task cost ~2 ms of a 32-row step. `phase` counts the phases
   // this thread entered; xb / xq hold `x_src` as of `x_phase`.
@@ -346,7 +346,7 @@ class DecoderStep : public torch::CustomClassHolder {
                       "DecoderStep: ", name, " must be a contiguous float32 CPU tensor");
   }
 
-  // int8_x: int8 weights multiply x quantized per 64 values, integer products (weight_dtype w8a8).
+  // int8_x: int8 weights multiply x quantized per group, integer products (weight_dtype w8a8).
   static Linear linear(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& bias, int64_t n, int64_t k,
                        const char* name, bool int8_x) {
     const auto dt = w.scalar_type();
@@ -405,7 +405,7 @@ class DecoderStep : public torch::CustomClassHolder {
   }
 
   // w8a8 codes in panels (kernels/linear.py pack_panels_i8 of [n, k]), per-column float32 scales,
-  // bias float32 or absent; the group corrections computed here, once.
+  // bias float32 or absent; the group corrections (AVX-512) computed here, once.
   static Linear linear_panels_i8(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& bias, int64_t n,
                                  int64_t k, const char* name, bool int8_x) {
     TORCH_CHECK_VALUE(int8_x, "DecoderStep: ", name, " int8 codes in panels are w8a8's (int8_activations)");
@@ -422,10 +422,13 @@ class DecoderStep : public torch::CustomClassHolder {
                       "DecoderStep: ", name, " int8 panels need float32 scales of ", n, " columns");
     lin.scale = lin.scale_t.data_ptr<float>();
     set_bias(lin, bias, n, name);
-    // kernels/linear.py panel_corrections_i8: -128 x each column's code sums per group
-    lin.corr_t = w.view({panels, quads * 4 / kI8Group, kI8Group / 4, kPanel, 4})
-                     .sum({2, 4}, false, at::kInt).mul_(-128).contiguous();
-    lin.corr = lin.corr_t.data_ptr<int32_t>();
+    // kernels/linear.py panel_corrections_i8: -128 x each column's code sums per group (the
+    // AVX-512 variant's; the AVX2 one reads none)
+    if constexpr (kI8ColumnSums) {
+      lin.corr_t = w.view({panels, quads * 4 / kI8Group, kI8Group / 4, kPanel, 4})
+                       .sum({2, 4}, false, at::kInt).mul_(-128).contiguous();
+      lin.corr = lin.corr_t.data_ptr<int32_t>();
+    }
     return lin;
   }
 
@@ -494,7 +497,7 @@ class DecoderStep : public torch::CustomClassHolder {
           const int64_t groups = i8_groups(lin.k);
           if (wk.x_src != in || wk.x_phase != wk.phase) {
             wk.xq.resize(std::max<size_t>(wk.xq.size(), m * groups * kI8Group));
-            wk.sx.resize(std::max<size_t>(wk.sx.size(), m * groups));
+            wk.sx.resize(std::max<size_t>(wk.sx.size(), m * i8_scale_groups(lin.k)));
             quantize_rows_u8(in, m, lin.k, wk.xq.data(), wk.sx.data());
             wk.x_src = in, wk.x_phase = wk.phase;
           }

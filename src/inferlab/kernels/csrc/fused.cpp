@@ -193,9 +193,8 @@ at::Tensor silu_mul(const at::Tensor& x) {
 // quarter of the bytes) and scales are written: the codes linear_panels_i8 would have made of
 // the same float32 row, bit for bit (`linear_panels_i8_q` multiplies them).
 std::tuple<at::Tensor, at::Tensor> q8_outputs(const at::Tensor& like, int64_t t, int64_t n) {
-  const int64_t groups = inferlab_matvec::i8_groups(n);
-  return {at::empty({t, groups * inferlab_matvec::kI8Group}, like.options().dtype(at::kByte)),
-          at::empty({t, groups}, like.options().dtype(at::kFloat))};
+  return {at::empty({t, inferlab_matvec::i8_groups(n) * inferlab_matvec::kI8Group}, like.options().dtype(at::kByte)),
+          at::empty({t, inferlab_matvec::i8_scale_groups(n)}, like.options().dtype(at::kFloat))};
 }
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_q8_(at::Tensor x, const at::Tensor& residual, const at::Tensor& weight,

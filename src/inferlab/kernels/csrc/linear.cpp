@@ -34,14 +34,19 @@
 //       oneDNN's bf16 GEMM on the [N, K] matrix: 0.9-1.0x at 512 rows, and one copy of the weights.
 //   linear_panels_i8(Tensor x, Tensor panels, Tensor corr, Tensor scale, int n, Tensor? bias=None) -> Tensor
 //       w8a8: int8 codes as kernels/linear.py's pack_panels_i8 stores them ([ceil(n / 16),
-//       ceil(K / 64) * 16, 16, 4]), corr their group corrections (panel_corrections_i8, int32
-//       [ceil(n / 16), ceil(K / 64), 16]), scale float32 [n]: x quantized per group of 64 and the
-//       integer products (vpdpbusd on AVX-512, vpmaddwd on AVX2: the same exact group sums and
-//       float32 steps) at every row count, 64 rows a pass over the weights.
+//       ceil(K / 64) * 16, 16, 4]; on AVX2 with the sign bit flipped, u = w + 128), corr their
+//       group corrections (panel_corrections_i8, int32 [ceil(n / 16), ceil(K / 64), 16] on
+//       AVX-512; empty on AVX2), scale float32 [n]: x quantized per group (matvec.h: 8 bits per
+//       64 values by vpdpbusd on AVX-512, 7 bits per 16 by vpmaddubsw on AVX2) and the exact
+//       integer group sums at every row count, 64 rows a pass over the weights.
 //   linear_panels_i8_q(Tensor xq, Tensor sx, int k, Tensor panels, Tensor corr, Tensor scale, int n,
 //                      Tensor? bias=None) -> Tensor
 //       the same product from x already quantized: xq uint8 [M, ceil(k / 64) * 64]
-//       (q + 128, padded with 128), sx float32 [M, ceil(k / 64)] (fused.cpp's *_q8 operators).
+//       (q + 128, padded with 128), sx float32 [M, ceil(k / 64) * 64 / group] (fused.cpp's *_q8
+//       operators).
+//   w8a8_numerics() -> int[]
+//       what this build's w8a8 does, for kernels/build.py to check against what it reports:
+//       [x values per scale, x's largest code, the panels' xor on the codes (0 or 128)].
 //   panel_rows(Tensor panels, Tensor ids, int k) -> Tensor
 //       rows `ids` of a matrix in either panel layout, float32 [len(ids), k] (an embedding lookup).
 // x may have any leading dimensions ([..., K] -> [..., N]).
@@ -293,18 +298,19 @@ void check_i8_panels(const char* name, int64_t K, const at::Tensor& panels, cons
                   panels.size(3) == 4,
               "inferlab ", name, ": panels must be contiguous int8 [", np, ", ", groups * kI8Group / 4, ", ",
               kPanel, ", 4] (pack_panels_i8 of ", n, " x ", K, " codes), got ", panels.sizes());
-  TORCH_CHECK(corr.scalar_type() == at::kInt && corr.is_contiguous() && corr.numel() == np * groups * kPanel,
-              "inferlab ", name, ": corr must be contiguous int32 [", np, ", ", groups, ", ", kPanel,
+  const int64_t corr_n = kI8ColumnSums ? np * groups * kPanel : 0;  // the AVX2 variant reads none
+  TORCH_CHECK(corr.scalar_type() == at::kInt && corr.is_contiguous() && corr.numel() == corr_n,
+              "inferlab ", name, ": corr must be contiguous int32 [", kI8ColumnSums ? np : 0, ", ", groups, ", ", kPanel,
               "] (panel_corrections_i8)");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n,
               "inferlab ", name, ": scale must be a contiguous float32 vector of ", n, " values");
 }
 
-// y [M, n] from x's codes (u8, rows of i8_groups(K) * 64) and group scales [M, groups]: 64 rows
+// y [M, n] from x's codes (u8, rows of i8_groups(K) * 64) and scales [M, i8_scale_groups(K)]: 64 rows
 // a pass over the weights, each pass's panels shared out over the threads.
 void products_i8(const uint8_t* qp, const float* sp, int64_t M, int64_t K, const at::Tensor& panels,
                  const at::Tensor& corr, const at::Tensor& scale, int64_t n, const float* bias_p, float* yp) {
-  const int64_t groups = i8_groups(K), ldx = groups * kI8Group, np = (n + kPanel - 1) / kPanel;
+  const int64_t ldx = i8_groups(K) * kI8Group, ls = i8_scale_groups(K), np = (n + kPanel - 1) / kPanel;
   const int8_t* wp = panels.data_ptr<int8_t>();
   const int32_t* cp = corr.data_ptr<int32_t>();
   const float* scp = scale.data_ptr<float>();
@@ -312,7 +318,7 @@ void products_i8(const uint8_t* qp, const float* sp, int64_t M, int64_t K, const
     const int64_t mm = std::min(kPanelRowBlock, M - m0);
     for_block_chunks(np, [&](int64_t p0, int64_t p1) {
       const int64_t c0 = p0 * kPanel, c1 = std::min(n, p1 * kPanel);
-      panel_products_i8(qp + m0 * ldx, sp + m0 * groups, mm, K, wp, cp, c0, c1 - c0, scp, bias_p, yp + m0 * n + c0, n,
+      panel_products_i8(qp + m0 * ldx, sp + m0 * ls, mm, K, wp, cp, c0, c1 - c0, scp, bias_p, yp + m0 * n + c0, n,
                         m0 == 0);
     }, kPanelsPerTileI8);
   }
@@ -326,18 +332,18 @@ at::Tensor linear_panels_i8(const at::Tensor& x, const at::Tensor& panels, const
   check_i8_panels("linear_panels_i8", K, panels, corr, scale, n);
   const float* bias_p = vector_or_null(bias, n, "linear_panels_i8", "bias");
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2.size(0), ldx = groups * kI8Group;
+  const int64_t M = x2.size(0), ldx = groups * kI8Group, ls = i8_scale_groups(K);
   std::vector<int64_t> out_sizes(x.sizes().begin(), x.sizes().end());
   out_sizes.back() = n;
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0) return y.view(out_sizes);
   at::Tensor xq = at::empty({M, ldx}, x.options().dtype(at::kByte));
-  at::Tensor sx = at::empty({M, groups}, x.options());
+  at::Tensor sx = at::empty({M, ls}, x.options());
   const float* xp = x2.data_ptr<float>();
   uint8_t* qp = xq.data_ptr<uint8_t>();
   float* sp = sx.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    quantize_rows_u8(xp + m0 * K, m1 - m0, K, qp + m0 * ldx, sp + m0 * groups);
+    quantize_rows_u8(xp + m0 * K, m1 - m0, K, qp + m0 * ldx, sp + m0 * ls);
   });
   products_i8(qp, sp, M, K, panels, corr, scale, n, bias_p, y.data_ptr<float>());
   return y.view(out_sizes);
@@ -349,14 +355,14 @@ at::Tensor linear_panels_i8(const at::Tensor& x, const at::Tensor& panels, const
 at::Tensor linear_panels_i8_q(const at::Tensor& xq, const at::Tensor& sx, int64_t k, const at::Tensor& panels,
                               const at::Tensor& corr, const at::Tensor& scale, int64_t n,
                               const std::optional<at::Tensor>& bias) {
-  const int64_t groups = i8_groups(k);
+  const int64_t groups = i8_groups(k), ls = i8_scale_groups(k);
   TORCH_CHECK(k > 0 && xq.scalar_type() == at::kByte && xq.dim() == 2 && xq.is_contiguous() &&
                   xq.size(1) == groups * kI8Group,
               "inferlab linear_panels_i8_q: xq must be contiguous uint8 [M, ", groups * kI8Group, "] (codes of ", k,
               " features), got ", xq.scalar_type(), " ", xq.sizes());
   TORCH_CHECK(sx.scalar_type() == at::kFloat && sx.is_contiguous() && sx.dim() == 2 && sx.size(0) == xq.size(0) &&
-                  sx.size(1) == groups,
-              "inferlab linear_panels_i8_q: sx must be contiguous float32 [", xq.size(0), ", ", groups, "]");
+                  sx.size(1) == ls,
+              "inferlab linear_panels_i8_q: sx must be contiguous float32 [", xq.size(0), ", ", ls, "]");
   check_i8_panels("linear_panels_i8_q", k, panels, corr, scale, n);
   const float* bias_p = vector_or_null(bias, n, "linear_panels_i8_q", "bias");
   const int64_t M = xq.size(0);
@@ -401,6 +407,8 @@ at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 // pack_panels_i8: int8 quads) as float32 [len(ids), k], exactly (bf16 and int8 widen exactly):
 // a tied lm_head's embedding lookup. Why: done by torch indexing on the 4-d panels it took five
 // operators, 0.15 ms of a ~11 ms one-row decode step and 0.3 ms at 32 rows (Zen 4).
+std::vector<int64_t> w8a8_numerics() { return {kI8ScaleGroup, kI8QMax, kI8PanelXor}; }
+
 at::Tensor panel_rows(const at::Tensor& panels, const at::Tensor& ids, int64_t k) {
   const bool bf16 = panels.scalar_type() == at::kBFloat16, i8 = panels.scalar_type() == at::kChar;
   TORCH_CHECK(panels.dim() == 4 && panels.is_contiguous() && panels.size(2) == kPanel &&
@@ -416,18 +424,20 @@ at::Tensor panel_rows(const at::Tensor& panels, const at::Tensor& ids, int64_t k
   const int64_t n = idc.numel();
   at::Tensor out = at::empty({n, k}, panels.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
-  auto gather = [&](const auto* base) {
+  auto gather = [&](const auto* base, auto value) {
     for (int64_t i = 0; i < n; ++i) {
       const int64_t r = ip[i];
       TORCH_CHECK_INDEX(r >= 0 && r < rows, "inferlab panel_rows: row ", r, " is outside the ", rows, " rows");
       const auto* w = base + ((r / kPanel) * steps * kPanel + r % kPanel) * per;  // panel r / 16, its lane
       float* o = op + i * k;
       for (int64_t j = 0, c = 0; c < k; ++j)
-        for (int64_t e = 0; e < per && c < k; ++e, ++c) o[c] = static_cast<float>(w[j * kPanel * per + e]);
+        for (int64_t e = 0; e < per && c < k; ++e, ++c) o[c] = value(w[j * kPanel * per + e]);
     }
   };
-  if (bf16) gather(panels.data_ptr<at::BFloat16>());
-  else gather(panels.data_ptr<int8_t>());
+  if (bf16) gather(panels.data_ptr<at::BFloat16>(), [](at::BFloat16 v) { return static_cast<float>(v); });
+  else  // the AVX2 variant's panels hold w + 128: the sign bit flipped (kI8PanelXor)
+    gather(panels.data_ptr<int8_t>(),
+           [](int8_t v) { return static_cast<float>(static_cast<int8_t>(static_cast<uint8_t>(v) ^ kI8PanelXor)); });
   return out;
 }
 
@@ -444,6 +454,7 @@ TORCH_LIBRARY_FRAGMENT(inferlab, m) {
   m.def("linear_panels_i8(Tensor x, Tensor panels, Tensor corr, Tensor scale, int n, Tensor? bias=None) -> Tensor");
   m.def("linear_panels_i8_q(Tensor xq, Tensor sx, int k, Tensor panels, Tensor corr, Tensor scale, int n, "
         "Tensor? bias=None) -> Tensor");
+  m.def("w8a8_numerics", &w8a8_numerics);
 }
 
 TORCH_LIBRARY_IMPL(inferlab, CPU, m) {
