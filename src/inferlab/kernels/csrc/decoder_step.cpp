@@ -190,6 +190,7 @@ struct Work {
   std::vector<uint16_t> xb;
   std::vector<uint8_t> xq;
   std::vector<float> sx;
+  uint64_t xq_epoch = 0;  // next_x_epoch() of xq's codes (panel_products_i8 prepares them once)
   const float* x_src = nullptr;
   int64_t x_phase = -1, phase = 0;
 };
@@ -499,10 +500,10 @@ class DecoderStep : public torch::CustomClassHolder {
             wk.xq.resize(std::max<size_t>(wk.xq.size(), m * groups * kI8Group));
             wk.sx.resize(std::max<size_t>(wk.sx.size(), m * i8_scale_groups(lin.k)));
             quantize_rows_u8(in, m, lin.k, wk.xq.data(), wk.sx.data());
-            wk.x_src = in, wk.x_phase = wk.phase;
+            wk.x_src = in, wk.x_phase = wk.phase, wk.xq_epoch = next_x_epoch();
           }
           panel_products_i8(wk.xq.data(), wk.sx.data(), m, lin.k, lin.i8_panels.data_ptr<int8_t>(), lin.corr, r0, rows,
-                            lin.scale, lin.bias, y, ldy, /*cold=*/true);
+                            lin.scale, lin.bias, y, ldy, /*cold=*/true, wk.xq_epoch);
           return;
         }
       }

@@ -311,6 +311,7 @@ void check_i8_panels(const char* name, int64_t K, const at::Tensor& panels, cons
 void products_i8(const uint8_t* qp, const float* sp, int64_t M, int64_t K, const at::Tensor& panels,
                  const at::Tensor& corr, const at::Tensor& scale, int64_t n, const float* bias_p, float* yp) {
   const int64_t ldx = i8_groups(K) * kI8Group, ls = i8_scale_groups(K), np = (n + kPanel - 1) / kPanel;
+  const uint64_t epoch = next_x_epoch();  // these codes, for every call below
   const int8_t* wp = panels.data_ptr<int8_t>();
   const int32_t* cp = corr.data_ptr<int32_t>();
   const float* scp = scale.data_ptr<float>();
@@ -319,7 +320,7 @@ void products_i8(const uint8_t* qp, const float* sp, int64_t M, int64_t K, const
     for_block_chunks(np, [&](int64_t p0, int64_t p1) {
       const int64_t c0 = p0 * kPanel, c1 = std::min(n, p1 * kPanel);
       panel_products_i8(qp + m0 * ldx, sp + m0 * ls, mm, K, wp, cp, c0, c1 - c0, scp, bias_p, yp + m0 * n + c0, n,
-                        m0 == 0);
+                        m0 == 0, epoch);
     }, kPanelsPerTileI8);
   }
 }

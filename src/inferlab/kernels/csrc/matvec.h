@@ -18,6 +18,7 @@
 #include "simd.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -652,6 +653,14 @@ constexpr int64_t kI8Group = 64;  // k values a panel and x's code rows are padd
 
 inline int64_t i8_groups(int64_t K) { return (K + kI8Group - 1) / kI8Group; }
 
+// A process-wide unique id for one quantization of x (never 0): panel_products_i8 callers pass it
+// with the codes, and the AVX2 variant then prepares those codes for its tiles once per thread,
+// not once per call (a linear's columns go out in many calls: 8-14% of a 512-row product).
+inline uint64_t next_x_epoch() {
+  static std::atomic<uint64_t> epochs{0};
+  return ++epochs;
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 // -- the AVX-512 variant: vpdpbusd --
 constexpr int64_t kI8ScaleGroup = kI8Group;  // x values per scale
@@ -832,10 +841,11 @@ inline void panel_rows_i8(const uint8_t* x, int64_t ldx, const float* sx, int64_
 // corrections `corr` [N / 16, groups, 16]) and x already quantized (xq: M rows of stride
 // groups * 64, sx: M x groups scales, quantize_rows_u8): y[i * ldy + r] for r in [0, rows) of
 // columns r0 .., r0 a multiple of 16. Column tiles of 3 panels, each streamed from memory by
-// its first tile of x-rows; the others re-read it from cache.
+// its first tile of x-rows; the others re-read it from cache. x_epoch: the AVX2 variant's
+// (next_x_epoch), unused here: the tiles read the codes as they are.
 inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int64_t K, const int8_t* panels,
                               const int32_t* corr, int64_t r0, int64_t rows, const float* scale, const float* bias,
-                              float* y, int64_t ldy, bool cold) {
+                              float* y, int64_t ldy, bool cold, uint64_t /*x_epoch*/ = 0) {
   const int64_t groups = i8_groups(K), ldx = groups * kI8Group;
   const int8_t* w = panels + r0 * ldx;               // panel r0 / 16
   const int32_t* cw = corr + r0 * groups;            // its corrections
@@ -949,21 +959,37 @@ inline void quantize_rows_u8(const float* x, int64_t M, int64_t K, uint8_t* dst,
 // tiles: row tile t's quad j holds its kPanelRowsXI8 rows' 4 codes each, contiguous, at
 // dst + ((t * ldx / 4 + j) * kPanelRowsXI8 + r) * 4; and -128 x each group's sum of q (the
 // offset of the panels' u = w + 128) at corr + (t * ldx / 16 + g) * kPanelRowsXI8 + r. Rows past
-// M are left as they are: never read. Why: a tile's broadcasts then come from one pointer.
+// M in the last tile are zeros (q = 0). Why: a tile's broadcasts then come from one pointer.
+// Per tile and group: the 4 rows' 16 codes, a 4 x 4 transpose of their quads, one vpsadbw a row.
 inline void interleave_x_i8(const uint8_t* xq, int64_t M, int64_t ldx, int8_t* dst, int32_t* corr) {
-  const int64_t quads = ldx / 4, sgroups = ldx / kI8ScaleGroup;
-  for (int64_t i = 0; i < M; ++i) {
-    const int64_t t = i / kPanelRowsXI8, r = i % kPanelRowsXI8;
-    int8_t* d = dst + (t * quads * kPanelRowsXI8 + r) * 4;
-    int32_t* c = corr + t * sgroups * kPanelRowsXI8 + r;
-    for (int64_t g = 0; g < sgroups; ++g) {
-      const __m128i u = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + i * ldx + g * kI8ScaleGroup));
-      const __m128i sad = _mm_sad_epu8(u, _mm_setzero_si128());  // the two halves' sums of u
-      const int32_t sum_u = _mm_cvtsi128_si32(sad) + _mm_extract_epi16(sad, 4);
-      c[g * kPanelRowsXI8] = -128 * (sum_u - 128 * static_cast<int32_t>(kI8ScaleGroup));
-      alignas(16) int8_t q[16];
-      _mm_store_si128(reinterpret_cast<__m128i*>(q), _mm_xor_si128(u, _mm_set1_epi8(static_cast<char>(0x80))));
-      for (int j = 0; j < 4; ++j) std::memcpy(d + (g * 4 + j) * kPanelRowsXI8 * 4, q + 4 * j, 4);
+  static_assert(kPanelRowsXI8 == 4 && kI8ScaleGroup == 16, "a group is 4 quads of 4 rows: one 4 x 4 transpose");
+  alignas(16) static const uint8_t kNoRow[kI8ScaleGroup] = {128, 128, 128, 128, 128, 128, 128, 128,
+                                                            128, 128, 128, 128, 128, 128, 128, 128};
+  const int64_t sgroups = ldx / kI8ScaleGroup;
+  const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80)), zero = _mm_setzero_si128();
+  for (int64_t t = 0; t * kPanelRowsXI8 < M; ++t) {
+    const uint8_t* row[kPanelRowsXI8];
+    int64_t step[kPanelRowsXI8];
+    for (int r = 0; r < kPanelRowsXI8; ++r) {
+      const int64_t i = t * kPanelRowsXI8 + r;
+      row[r] = i < M ? xq + i * ldx : kNoRow, step[r] = i < M ? kI8ScaleGroup : 0;
+    }
+    int8_t* d = dst + t * kPanelRowsXI8 * ldx;
+    int32_t* c = corr + t * sgroups * kPanelRowsXI8;
+    for (int64_t g = 0; g < sgroups; ++g, d += kPanelRowsXI8 * kI8ScaleGroup, c += kPanelRowsXI8) {
+      __m128i v[kPanelRowsXI8];
+      for (int r = 0; r < kPanelRowsXI8; ++r) {
+        v[r] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row[r] + g * step[r]));
+        const __m128i sad = _mm_sad_epu8(v[r], zero);  // the two halves' sums of u
+        c[r] = -128 * (_mm_cvtsi128_si32(sad) + _mm_extract_epi16(sad, 4) - 128 * static_cast<int32_t>(kI8ScaleGroup));
+        v[r] = _mm_xor_si128(v[r], flip);  // q = u - 128 as int8
+      }
+      const __m128i a = _mm_unpacklo_epi32(v[0], v[1]), b = _mm_unpacklo_epi32(v[2], v[3]);  // quads 0, 1
+      const __m128i e = _mm_unpackhi_epi32(v[0], v[1]), f = _mm_unpackhi_epi32(v[2], v[3]);  // quads 2, 3
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d), _mm_unpacklo_epi64(a, b));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 16), _mm_unpackhi_epi64(a, b));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 32), _mm_unpacklo_epi64(e, f));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 48), _mm_unpackhi_epi64(e, f));
     }
   }
 }
@@ -1038,19 +1064,27 @@ inline void panel_tile_i8(const int8_t* xt, const int32_t* xc, const float* sx, 
 }
 
 // The AVX-512 variant's panel_products_i8 (the same arguments; `corr` and `cold` unused, sx
-// [M, i8_scale_groups(K)]). x is interleaved once a call (interleave_x_i8). Each panel whole,
+// [M, i8_scale_groups(K)]). x is interleaved (interleave_x_i8) once per call, or, given x_epoch
+// (next_x_epoch: one id per quantization of the codes), once per thread: the next calls with the
+// same codes, epoch and rows reuse the copy. Each panel whole,
 // every row tile over it before the next, so a panel is read from memory once (by the first row
 // tile) and from L1 (9-24 KiB at SmolLM2's K) by the others.
 inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int64_t K, const int8_t* panels,
                               const int32_t* /*corr*/, int64_t r0, int64_t rows, const float* scale,
-                              const float* bias, float* y, int64_t ldy, bool /*cold*/) {
+                              const float* bias, float* y, int64_t ldy, bool /*cold*/, uint64_t x_epoch = 0) {
   const int64_t ldx = i8_groups(K) * kI8Group, ls = ldx / kI8ScaleGroup;
   const int64_t tiles = (M + kPanelRowsXI8 - 1) / kPanelRowsXI8;
   thread_local std::vector<int8_t> x8;    // interleave_x_i8's copy of x, per thread, grown once
   thread_local std::vector<int32_t> xc8;  // and its group corrections
-  if (x8.size() < static_cast<size_t>(tiles * kPanelRowsXI8 * ldx)) x8.resize(tiles * kPanelRowsXI8 * ldx);
-  if (xc8.size() < static_cast<size_t>(tiles * kPanelRowsXI8 * ls)) xc8.resize(tiles * kPanelRowsXI8 * ls);
-  interleave_x_i8(xq, M, ldx, x8.data(), xc8.data());
+  thread_local const uint8_t* made_from = nullptr;  // the codes x8 holds: these, at this epoch
+  thread_local int64_t made_m = 0;
+  thread_local uint64_t made_epoch = 0;
+  if (x_epoch == 0 || x_epoch != made_epoch || xq != made_from || M != made_m) {
+    if (x8.size() < static_cast<size_t>(tiles * kPanelRowsXI8 * ldx)) x8.resize(tiles * kPanelRowsXI8 * ldx);
+    if (xc8.size() < static_cast<size_t>(tiles * kPanelRowsXI8 * ls)) xc8.resize(tiles * kPanelRowsXI8 * ls);
+    interleave_x_i8(xq, M, ldx, x8.data(), xc8.data());
+    made_from = xq, made_m = M, made_epoch = x_epoch;
+  }
   const int64_t np = (rows + kPanel - 1) / kPanel;
   for (int64_t j = 0; j < np; ++j) {
     const int64_t c0 = j * kPanel, col = r0 + c0;  // this panel's first column
