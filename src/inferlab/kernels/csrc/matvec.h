@@ -902,11 +902,12 @@ inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int
 // 2 x 255 x 63 = 32130, never saturated, and dot(u, q) = dot(w, q) + 128 sum(q) is exact; the
 // 128 sum(q) is per row of x, taken off once per group (interleave_x_i8). The lost bit of x is
 // bought back by smaller groups, one scale per 16 values: SmolLM2-135M on the perplexity text,
-// emulated in float64 against float32 (KLD / PPL ratio): 8 bits per 64 values 0.0102 / 1.0148
-// (the AVX-512 variant's numerics), 7 bits per 64 0.0272 / 1.020, per 32 0.0161 / 1.014, per 16
-// 0.0111 / 1.012. A group of 16 costs one convert and one FMA per 4 quads a row, and its scales a
-// quarter of x's code bytes. In registers, one core of a Zen 3: a tile of 4 rows x 16 columns
-// 84 GMAC/s (the int16 tile this replaces, the same loop: 35).
+// x's rounding emulated in plain torch, against float32 (KLD / PPL ratio): 8 bits per 64 values
+// 0.0102 / 1.0148 (the AVX-512 variant's numerics), 7 bits per 64 0.0272 / 1.020, per 32 0.0161 /
+// 1.014, per 16 0.0111 / 1.012; this kernel in the engine 0.0110 / 1.0137. A group of 16 costs one convert and one FMA per 4 quads a row, and its scales a
+// quarter of x's code bytes. One core of a Zen 3: a tile of 4 rows x 16 columns in registers 84
+// GMAC/s; panel_products_i8 whole, weights in L2 / L3, 73-78 against the int16 tile's 63-68 at
+// 8 to 512 rows (1.12-1.15x, 7 alternated pairs at each of 4 shapes).
 constexpr int64_t kI8ScaleGroup = 16;  // x values per scale
 constexpr int kI8QMax = 63;            // x's codes: q in [-63, 63], stored as q + 128
 constexpr uint8_t kI8PanelXor = 0x80;  // the panels hold w + 128: the codes' sign bit flipped
