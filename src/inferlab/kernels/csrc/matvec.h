@@ -996,7 +996,7 @@ inline void interleave_x_i8(const uint8_t* xq, int64_t M, int64_t ldx, int8_t* d
 }
 
 // y[i * ldy + c] = (sum_g dot_g(q row i, column c) * sx[i * sgroups + g]) * scale[c] + bias[c] for
-// c < cols (<= 8 NH) of NH halves of panel wp (8 columns each) from half h0 on, MB rows of x (one
+// c < cols (<= 8 NH) of the first NH halves of panel wp (8 columns each), MB rows of x (one
 // row tile of interleave_x_i8: codes xt, group corrections xc; scales sx, sgroups a row).
 // Per group of 16 values and row: the correction starts each half's int32 sums (its 8 columns,
 // in order), 4 quads of vpmaddubsw + vpmaddwd + vpaddd, then one convert and FMA into float32.
@@ -1010,7 +1010,7 @@ inline void interleave_x_i8(const uint8_t* xq, int64_t M, int64_t ldx, int8_t* d
 constexpr int64_t kPanelAheadI8 = 1024;
 template <int MB, int NH>
 inline void panel_tile_i8(const int8_t* xt, const int32_t* xc, const float* sx, int64_t sgroups, const int8_t* wp,
-                          int h0, const float* scale, const float* bias, int cols, float* y, int64_t ldy) {
+                          const float* scale, const float* bias, int cols, float* y, int64_t ldy) {
   constexpr int64_t kQuads = kI8ScaleGroup / 4;         // quads per group
   constexpr int64_t kGroupBytes = kQuads * 4 * kPanel;  // a group of a panel: 4 quads of 64 bytes
   const __m256i ones = _mm256_set1_epi16(1);
@@ -1019,7 +1019,7 @@ inline void panel_tile_i8(const int8_t* xt, const int32_t* xc, const float* sx, 
   for (int i = 0; i < MB; ++i)
 #pragma GCC unroll 2
     for (int h = 0; h < NH; ++h) acc[i][h] = _mm256_setzero_ps();
-  const uint8_t* w = reinterpret_cast<const uint8_t*>(wp) + 32 * h0;
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(wp);
   for (int64_t g = 0; g < sgroups; ++g, w += kGroupBytes, xt += kI8ScaleGroup * kPanelRowsXI8, xc += kPanelRowsXI8) {
     __m256i s[MB][NH];
 #pragma GCC unroll 4
@@ -1093,8 +1093,8 @@ inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, rows - c0));
     const float* bs = bias ? bias + col : nullptr;
     if (M <= 2) {
-      if (M == 1) panel_tile_i8<1, 2>(x8.data(), xc8.data(), sx, ls, wp, 0, scale + col, bs, cols, y + c0, ldy);
-      else panel_tile_i8<2, 2>(x8.data(), xc8.data(), sx, ls, wp, 0, scale + col, bs, cols, y + c0, ldy);
+      if (M == 1) panel_tile_i8<1, 2>(x8.data(), xc8.data(), sx, ls, wp, scale + col, bs, cols, y + c0, ldy);
+      else panel_tile_i8<2, 2>(x8.data(), xc8.data(), sx, ls, wp, scale + col, bs, cols, y + c0, ldy);
       continue;
     }
     // The next panel's lines into L2, a share before each row tile: its first row tile then
@@ -1110,7 +1110,7 @@ inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int
       for (int64_t l = l0; l < l1; ++l) _mm_prefetch(next_panel + l * 64, _MM_HINT_T1);
       const int8_t* xt = x8.data() + m * ldx;  // row tile m / 4
       const int32_t* xc = xc8.data() + m * ls;
-      panel_tile_i8<MB, 2>(xt, xc, sx + m * ls, ls, wp, 0, scale + col, bs, cols, y + m * ldy + c0, ldy);
+      panel_tile_i8<MB, 2>(xt, xc, sx + m * ls, ls, wp, scale + col, bs, cols, y + m * ldy + c0, ldy);
     });
   }
 }
