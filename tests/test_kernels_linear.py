@@ -454,11 +454,26 @@ def test_bf16_products_are_bf16_x_times_bf16_w_in_float32(m):
 W8A8_CASES = [(m, k) for k in (45, 576, 600) for m in (1, 3, 4, 5, 32, 127)]  # K: a tail group, whole groups, both
 
 
+def x_scales_pow2(t: torch.Tensor, per_block: int) -> torch.Tensor:
+    """The AVX2 variant's group scales from t = max|x_g| / qmax (float32 [m, groups]): per block
+    of `per_block` groups, e with ceil(max t / 2^e) in [128, 255], each scale ceil(t / 2^e) 2^e."""
+    m, groups = t.shape
+    blocks = -(-groups // per_block)
+    tb = F.pad(t, (0, blocks * per_block - groups)).view(m, blocks, per_block)
+    tmax = tb.amax(-1, keepdim=True)
+    e = torch.frexp(tmax).exponent - 8
+    e = torch.where(torch.ceil(tmax * torch.pow(2.0, -e.float())) > 255, e + 1, e).float()
+    scale = torch.ceil(tb * torch.pow(2.0, -e)) * torch.pow(2.0, e)
+    return torch.where(tmax > 0, scale, torch.zeros_like(scale)).view(m, -1)[:, :groups]
+
+
 def w8a8_reference(x: torch.Tensor, lin: WeightOnlyLinear) -> tuple[torch.Tensor, torch.Tensor]:
     """What w8a8 computes on this process's variant, in float64: x quantized per group of G
     values exactly as the kernels do (float32 s = max|x_g| / Q and Q / max|x_g|, q = round half to
     even of x * that; G, Q = 64, 127 on avx512 and 16, 63 on avx2: KernelInfo.int8_x_group /
-    int8_x_max), each group's integer sum dot_g(q, codes) exact, y = sum_g dot_g * s_g * row
+    int8_x_max; on avx2 s rounded up to an 8-bit multiple of a power of two per block of
+    KernelInfo.int8_scale_block values, x_scales_pow2, and q = round(x * float32(1 / s))), each
+    group's integer sum dot_g(q, codes) exact, y = sum_g dot_g * s_g * row
     scale + bias; and the bound on the float32 rounding after the integer sums, 2^-20 of what the
     kernel rounds: its int32 lanes (partial sums of q * w: at most sum |q| |w| per group) times
     s_g, and also the 128-offsets in them (avx512: x stored as q + 128, then -128 x the group's
@@ -471,10 +486,15 @@ def w8a8_reference(x: torch.Tensor, lin: WeightOnlyLinear) -> tuple[torch.Tensor
     n, groups = lin.out_features, -(-k // 64) * 64 // g
     xg = F.pad(x, (0, groups * g - k)).view(m, groups, g)
     amax = xg.abs().amax(-1)
-    inv = torch.where(amax > 0, qmax / amax, torch.zeros_like(amax))
+    if kernel.int8_scale_block:
+        scale = x_scales_pow2(amax / qmax, kernel.int8_scale_block // g)
+        inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    else:
+        scale = amax / qmax
+        inv = torch.where(amax > 0, qmax / amax, torch.zeros_like(amax))
     q = torch.round(xg * inv[..., None]).double()
     codes = F.pad(lin.codes(), (0, groups * g - k)).view(n, groups, g).double()
-    s = (amax / qmax).double()[:, None, :] * lin.scale.double()[None, :, None]  # [m, n, groups]
+    s = scale.double()[:, None, :] * lin.scale.double()[None, :, None]  # [m, n, groups]
     y = (torch.einsum("mgc,ngc->mng", q, codes) * s).sum(-1)
     lanes = torch.einsum("mgc,ngc->mng", q.abs(), codes.abs())
     lanes = lanes + (256 * q.abs().sum(-1)[:, None] if kernel.int8_panel_xor else 256 * codes.abs().sum(-1)[None])
@@ -511,13 +531,15 @@ def w8a8_outputs(expect_variant: str = "") -> dict[tuple[int, int], tuple[torch.
 @pytest.mark.parametrize("m, k", W8A8_CASES)
 def test_w8a8_is_int8_x_per_group_times_the_codes(m, k):
     """weight_dtype w8a8, on this process's variant (vpdpbusd on avx512: 8-bit x per 64 values;
-    vpmaddubsw on avx2: 7-bit x per 16): x quantized per group (symmetric, round half to even),
+    vpmaddubsw on avx2: 7-bit x per 16, scales in powers of two per 256): x quantized per group
+    (symmetric, round half to even),
     each group's integer sum exact, then the scales; against that math in float64, to float32's
     rounding. What the server reports (KernelInfo) is what the build runs (w8a8_numerics)."""
     kernel = build.kernel_info()
-    assert list(torch.ops.inferlab.w8a8_numerics()) == [kernel.int8_x_group, kernel.int8_x_max, kernel.int8_panel_xor]
-    assert {"avx512": (64, 127, 0), "avx2": (16, 63, 128)}[kernel.variant] == (
-        kernel.int8_x_group, kernel.int8_x_max, kernel.int8_panel_xor)
+    assert list(torch.ops.inferlab.w8a8_numerics()) == [kernel.int8_x_group, kernel.int8_x_max, kernel.int8_panel_xor,
+                                                       kernel.int8_scale_block]
+    assert {"avx512": (64, 127, 0, 0), "avx2": (16, 63, 128, 256)}[kernel.variant] == (
+        kernel.int8_x_group, kernel.int8_x_max, kernel.int8_panel_xor, kernel.int8_scale_block)
     n = 37
     lin = WeightOnlyLinear(_weight(n, k), torch.int8, torch.randn(n), int8_activations=True)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m))
@@ -527,6 +549,25 @@ def test_w8a8_is_int8_x_per_group_times_the_codes(m, k):
     plain = WeightOnlyLinear(_weight(n, k), torch.int8, torch.randn(n))  # weight-only int8
     assert plain.row_sums is None and not plain.int8_x
     assert float((plain(x) - lin(x)).abs().max()) > 1e-6  # the two modes really differ
+
+
+@needs_int8_dot
+def test_w8a8_holds_to_its_reference_when_x_spans_decades():
+    """Rows whose groups of 16 span 1e-6 to 1e2, some all zero: beside a large group a small one
+    gets only a few multiples of its block's power of two (avx2: m_g down to 0 or 1), and still the
+    output is the documented math (w8a8_reference), each sum exact, no int32 lane overflowed."""
+    m, k, n = 6, 600, 37
+    gen = torch.Generator().manual_seed(7)
+    groups = -(-k // 16)
+    decades = torch.randint(-6, 3, (m, groups), generator=gen).double()
+    spread = torch.pow(10.0, decades).float().repeat_interleave(16, dim=1)[:, :k]
+    x = torch.randn(m, k, generator=gen) * spread
+    x[1, 32:64] = 0.0  # two whole groups of zeros
+    x[2] = 0.0  # a row of zeros
+    lin = WeightOnlyLinear(_weight(n, k), torch.int8, torch.randn(n, generator=gen), int8_activations=True)
+    want, bound = w8a8_reference(x, lin)
+    y = lin(x)
+    assert bool(((y.double() - want).abs() <= bound).all()), float(((y.double() - want).abs() / bound).max())
 
 
 @needs_kernels

@@ -69,7 +69,8 @@ class KernelInfo:
     int8_x_max: how w8a8 quantizes x (values per scale, largest code: 64 and 127 on AVX-512, 16
     and 63 on AVX2, whose vpmaddubsw holds 7-bit x exactly; csrc/matvec.h), and int8_panel_xor
     what the panels hold (128: the codes' sign bit flipped, u = w + 128, vpmaddubsw's unsigned
-    operand);
+    operand), int8_scale_block how its scales are held (256 on AVX2: per 256 values a power of two,
+    each group's scale an 8-bit multiple of it; 0: float32);
     int4_dot: the one 4-bit weights run on ("vpmaddubsw" on AVX2: 4-bit codes do not saturate it).
     auto_weight_dtype: what weight_dtype "auto" stores when compute is float32 ("bfloat16",
     "float16", or "" for none: the compute dtype).
@@ -105,10 +106,18 @@ class KernelInfo:
     def int8_panel_xor(self) -> int:
         return 128 if self.variant == "avx2" else 0
 
+    @property
+    def int8_scale_block(self) -> int:
+        """x values whose group scales share a power of two (each an 8-bit multiple of it), 0
+        where the scales are any float32: 256 on AVX2, so that vpmaddwd multiplies by them
+        (csrc/matvec.h kI8ScaleBlock)."""
+        return 256 if self.variant == "avx2" else 0
+
     def describe_w8a8(self) -> str:
         """How w8a8 multiplies here, in a few words (the load log, the server's report)."""
         bits = self.int8_x_max.bit_length() + 1
-        return f"x quantized to {bits}-bit per {self.int8_x_group} values, {self.int8_dot}"
+        scales = f" (scales 8-bit multiples of a power of two per {self.int8_scale_block})" if self.int8_scale_block else ""
+        return f"x quantized to {bits}-bit per {self.int8_x_group} values{scales}, {self.int8_dot}"
 
     @property
     def int4_dot(self) -> str:
@@ -133,6 +142,7 @@ class KernelInfo:
         d = dataclasses.asdict(self)
         d.update(available=self.available, bf16_dot=self.bf16_dot, int8_dot=self.int8_dot, int4_dot=self.int4_dot,
                  int8_x_group=self.int8_x_group, int8_x_max=self.int8_x_max, int8_panel_xor=self.int8_panel_xor,
+                 int8_scale_block=self.int8_scale_block,
                  auto_weight_dtype=self.auto_weight_dtype)
         return d
 
@@ -255,7 +265,7 @@ def _build(variant: str, flags: tuple[str, ...], why: str) -> KernelInfo:
         return KernelInfo("none", flags, f"the {variant} build reports ISA {compiled!r}")
     info = KernelInfo(variant, flags, why, tuple(cflags), str(build_dir))
     numerics = [int(v) for v in torch.ops.inferlab.w8a8_numerics()]
-    if numerics != [info.int8_x_group, info.int8_x_max, info.int8_panel_xor]:  # what we report is what runs
+    if numerics != [info.int8_x_group, info.int8_x_max, info.int8_panel_xor, info.int8_scale_block]:  # what we report is what runs
         return KernelInfo("none", flags, f"the {variant} build's w8a8 numerics {numerics} are not the reported ones")
     return info
 

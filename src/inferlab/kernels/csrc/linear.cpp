@@ -46,7 +46,8 @@
 //       operators).
 //   w8a8_numerics() -> int[]
 //       what this build's w8a8 does, for kernels/build.py to check against what it reports:
-//       [x values per scale, x's largest code, the panels' xor on the codes (0 or 128)].
+//       [x values per scale, x's largest code, the panels' xor on the codes (0 or 128), values
+//       sharing a power of two in the scales (0: float32 scales; matvec.h kI8ScaleBlock)].
 //   panel_rows(Tensor panels, Tensor ids, int k) -> Tensor
 //       rows `ids` of a matrix in either panel layout, float32 [len(ids), k] (an embedding lookup).
 // x may have any leading dimensions ([..., K] -> [..., N]).
@@ -408,7 +409,7 @@ at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 // pack_panels_i8: int8 quads) as float32 [len(ids), k], exactly (bf16 and int8 widen exactly):
 // a tied lm_head's embedding lookup. Why: done by torch indexing on the 4-d panels it took five
 // operators, 0.15 ms of a ~11 ms one-row decode step and 0.3 ms at 32 rows (Zen 4).
-std::vector<int64_t> w8a8_numerics() { return {kI8ScaleGroup, kI8QMax, kI8PanelXor}; }
+std::vector<int64_t> w8a8_numerics() { return {kI8ScaleGroup, kI8QMax, kI8PanelXor, kI8ScaleBlock}; }
 
 at::Tensor panel_rows(const at::Tensor& panels, const at::Tensor& ids, int64_t k) {
   const bool bf16 = panels.scalar_type() == at::kBFloat16, i8 = panels.scalar_type() == at::kChar;

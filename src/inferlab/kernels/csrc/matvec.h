@@ -667,6 +667,7 @@ constexpr int64_t kI8ScaleGroup = kI8Group;  // x values per scale
 constexpr int kI8QMax = 127;                  // x's codes: q in [-127, 127], stored as q + 128
 constexpr uint8_t kI8PanelXor = 0;            // the panels hold the codes as they are
 constexpr bool kI8ColumnSums = true;          // `corr` (below) is read
+constexpr int64_t kI8ScaleBlock = 0;          // the scales are any float32 (the AVX2 variant's are not)
 // vpdpbusd multiplies unsigned by signed bytes, so x is stored as u = q + 128, and
 // dot(u, w) = dot(q, w) + 128 * sum(w_group): the weight's per-group sums, times -128, computed
 // once at load (`corr`), start each group's integer sum, which is then exact.
@@ -900,51 +901,106 @@ inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int
 // vpmaddubsw GEMM). So here x is 7 bits, q in [-63, 63], and the panels hold the codes as
 // u = w + 128 (the sign bit flipped at load, kernels/linear.py): a pair is at most
 // 2 x 255 x 63 = 32130, never saturated, and dot(u, q) = dot(w, q) + 128 sum(q) is exact; the
-// 128 sum(q) is per row of x, taken off once per group (interleave_x_i8). The lost bit of x is
+// 128 sum(q) is per row of x, taken off once after the sums (interleave_x_i8's corr). The lost bit of x is
 // bought back by smaller groups, one scale per 16 values: SmolLM2-135M on the perplexity text,
 // x's rounding emulated in plain torch, against float32 (KLD / PPL ratio): 8 bits per 64 values
 // 0.0102 / 1.0148 (the AVX-512 variant's numerics), 7 bits per 64 0.0272 / 1.020, per 32 0.0161 /
-// 1.014, per 16 0.0111 / 1.012; this kernel in the engine 0.0110 / 1.0137. A group of 16 costs one convert and one FMA per 4 quads a row, and its scales a
-// quarter of x's code bytes. One core of a Zen 3: a tile of 4 rows x 16 columns in registers 84
+// 1.014, per 16 0.0111 / 1.012; this kernel in the engine 0.0110 / 1.0137 (float32 scales). One
+// core of a Zen 3, with a float32 scale per group: a tile of 4 rows x 16 columns in registers 84
 // GMAC/s; panel_products_i8 whole, weights in L2 / L3, 73-78 against the int16 tile's 63-68 at
 // 8 to 512 rows (1.12-1.15x, 7 alternated pairs at each of 4 shapes).
-constexpr int64_t kI8ScaleGroup = 16;  // x values per scale
-constexpr int kI8QMax = 63;            // x's codes: q in [-63, 63], stored as q + 128
-constexpr uint8_t kI8PanelXor = 0x80;  // the panels hold w + 128: the codes' sign bit flipped
-constexpr bool kI8ColumnSums = false;  // no `corr`: x's sums take the 128 off
-constexpr int kPanelRowsXI8 = 4;       // rows of x per tile
-constexpr int kPanelsPerTileI8 = 1;    // the unit column ranges are cut in (linear.cpp)
+//
+// Each group's scale is then an integer multiple of a power of two shared by 16 groups (256
+// values, kI8ScaleBlock): s_g = m_g 2^e, m_g in [0, 255], the largest group of the block at
+// m in [128, 255] (x's 7 bits stay 7: m_g = ceil(max|x_g| / 63 / 2^e), a scale rounded up by at
+// most 1/128 for the block's largest group). Why: a float scale per group cost the tile one
+// convert and one FMA per row, 8 columns and 16 values (against 12 integer instructions), and the
+// int32 sums' float accumulators no longer fitted AVX2's 16 registers (spilled, every group).
+// With m_g the scale rides in vpmaddwd, which multiplied by ones before: vpmaddwd(pairs, m_g)
+// sums a block's groups in int32 exactly (a lane gets at most 64 quads x 2 x 32130 x 255 =
+// 1.05e9 < 2^31), then one convert and FMA by 2^e per block. Measured (2 threads, in-process A/B,
+// 12 alternated rounds): products 32 x 3072 x 576 0.884x the time, 32 x 49152 x 576 0.902x,
+// 512 x 3072 x 576 0.915x, 2 x 3072 x 576 0.924x, 1 row 1.00x; w8a8 decode at 32 streams 0.93x the
+// step. Quality: PPL +1.22% of float32 against +1.37% with float scales (KLD 0.0111 / 0.0110;
+// `inferlab perplexity`, the pydoc text, 8 chunks of 512).
+constexpr int64_t kI8ScaleGroup = 16;   // x values per scale
+constexpr int kI8QMax = 63;             // x's codes: q in [-63, 63], stored as q + 128
+constexpr uint8_t kI8PanelXor = 0x80;   // the panels hold w + 128: the codes' sign bit flipped
+constexpr bool kI8ColumnSums = false;   // no `corr`: x's sums take the 128 off
+constexpr int64_t kI8ScaleBlock = 256;  // values sharing one power of two (scales m_g 2^e)
+constexpr int kI8ScaleMul = 255;        // the largest m_g
+constexpr int kPanelRowsXI8 = 4;        // rows of x per tile
+constexpr int kPanelsPerTileI8 = 1;     // the unit column ranges are cut in (linear.cpp)
+constexpr int64_t kI8BlockGroups = kI8ScaleBlock / kI8ScaleGroup;
+
+// frexp's exponent of v > 0 (v = f 2^E, f in [0.5, 1)), from its bits where v is normal.
+inline int float_exponent(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, sizeof(b));
+  const int biased = static_cast<int>((b >> 23) & 0xff);
+  if (biased == 0) {
+    int e;
+    std::frexp(v, &e);
+    return e;
+  }
+  return biased - 126;
+}
+
+// 2^e as a float (exact).
+inline float pow2f(int e) {
+  if (e < -126 || e > 127) return std::ldexp(1.0f, e);
+  const uint32_t b = static_cast<uint32_t>(e + 127) << 23;
+  float v;
+  std::memcpy(&v, &b, sizeof(v));
+  return v;
+}
 
 // One row of x as u8 codes u = q + 128, padded to whole groups of kI8Group with 128 (q = 0), and
-// its scales, one per kI8ScaleGroup values (0 past K).
+// its scales, one per kI8ScaleGroup values (0 past K): per block of kI8ScaleBlock values, e with
+// ceil(t_max / 2^e) in [128, 255] for the block's largest t = max|x_g| / 63, then m_g =
+// ceil(t_g / 2^e), s_g = m_g 2^e (float32, exact), q = round(x / s_g) (to nearest even).
 inline void quantize_row_u8(const float* x, int64_t K, uint8_t* dst, float* scales) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i off = _mm256_set1_epi32(128);
-  const int64_t padded = i8_groups(K) * kI8Group;
-  for (int64_t k0 = 0, g = 0; k0 < padded; k0 += kI8ScaleGroup, ++g) {
-    const int64_t n = std::max<int64_t>(0, std::min(kI8ScaleGroup, K - k0));
-    const float* xg = x + k0;
-    uint8_t* d = dst + k0;
-    float amax = 0.f;
-    if (n == kI8ScaleGroup) {
-      const __m256 mx = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xg)),
-                                      _mm256_andnot_ps(sign, _mm256_loadu_ps(xg + 8)));
-      amax = hmax(mx);
-    } else {
-      for (int64_t c = 0; c < n; ++c) amax = std::max(amax, std::fabs(xg[c]));
+  const int64_t groups = i8_groups(K) * kI8Group / kI8ScaleGroup;
+  for (int64_t b0 = 0; b0 < groups; b0 += kI8BlockGroups) {
+    const int64_t nb = std::min(kI8BlockGroups, groups - b0);
+    float t[kI8BlockGroups];
+    float tmax = 0.f;
+    for (int64_t j = 0; j < nb; ++j) {
+      const int64_t k0 = (b0 + j) * kI8ScaleGroup, n = std::max<int64_t>(0, std::min(kI8ScaleGroup, K - k0));
+      const float* xg = x + k0;
+      float amax = 0.f;
+      if (n == kI8ScaleGroup) {
+        amax = hmax(_mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xg)),
+                                  _mm256_andnot_ps(sign, _mm256_loadu_ps(xg + 8))));
+      } else {
+        for (int64_t c = 0; c < n; ++c) amax = std::max(amax, std::fabs(xg[c]));
+      }
+      t[j] = amax / static_cast<float>(kI8QMax);
+      tmax = std::max(tmax, t[j]);
     }
-    scales[g] = amax / static_cast<float>(kI8QMax);
-    const float inv = amax > 0.f ? static_cast<float>(kI8QMax) / amax : 0.f;
-    if (n == kI8ScaleGroup) {
-      const __m256 iv = _mm256_set1_ps(inv);  // round to nearest even (MXCSR's default), + 128
-      const __m256i lo = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg), iv)), off);
-      const __m256i hi = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + 8), iv)), off);
-      const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);  // 16 x u16, in order
-      const __m128i b = _mm_packus_epi16(_mm256_castsi256_si128(w16), _mm256_extracti128_si256(w16, 1));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(d), b);
-    } else {
-      for (int64_t c = 0; c < n; ++c) d[c] = static_cast<uint8_t>(std::nearbyint(xg[c] * inv) + 128.f);
-      for (int64_t c = n; c < kI8ScaleGroup; ++c) d[c] = 128;
+    int e = tmax > 0.f ? float_exponent(tmax) - 8 : 0;  // tmax / 2^e in [128, 256)
+    if (tmax > 0.f && std::ceil(tmax * pow2f(-e)) > kI8ScaleMul) ++e;
+    const float down = pow2f(-e), up = pow2f(e);
+    for (int64_t j = 0; j < nb; ++j) {
+      const int64_t g = b0 + j, k0 = g * kI8ScaleGroup, n = std::max<int64_t>(0, std::min(kI8ScaleGroup, K - k0));
+      const float sg = std::ceil(t[j] * down) * up;
+      scales[g] = sg;
+      const float inv = sg > 0.f ? 1.0f / sg : 0.f;
+      const float* xg = x + k0;
+      uint8_t* d = dst + k0;
+      if (n == kI8ScaleGroup) {
+        const __m256 iv = _mm256_set1_ps(inv);  // round to nearest even (MXCSR's default), + 128
+        const __m256i lo = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg), iv)), off);
+        const __m256i hi = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + 8), iv)), off);
+        const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);  // 16 x u16, in order
+        const __m128i b = _mm_packus_epi16(_mm256_castsi256_si128(w16), _mm256_extracti128_si256(w16, 1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(d), b);
+      } else {
+        for (int64_t c = 0; c < n; ++c) d[c] = static_cast<uint8_t>(std::nearbyint(xg[c] * inv) + 128.f);
+        for (int64_t c = n; c < kI8ScaleGroup; ++c) d[c] = 128;
+      }
     }
   }
 }
@@ -956,101 +1012,138 @@ inline void quantize_rows_u8(const float* x, int64_t M, int64_t K, uint8_t* dst,
   for (int64_t i = 0; i < M; ++i) quantize_row_u8(x + i * K, K, dst + i * ldx, scales + i * ls);
 }
 
-// x's u8 codes (M rows of stride ldx, a multiple of 64) as signed q = u - 128, interleaved for the
-// tiles: row tile t's quad j holds its kPanelRowsXI8 rows' 4 codes each, contiguous, at
-// dst + ((t * ldx / 4 + j) * kPanelRowsXI8 + r) * 4; and -128 x each group's sum of q (the
-// offset of the panels' u = w + 128) at corr + (t * ldx / 16 + g) * kPanelRowsXI8 + r. Rows past
-// M in the last tile are zeros (q = 0). Why: a tile's broadcasts then come from one pointer.
-// Per tile and group: the 4 rows' 16 codes, a 4 x 4 transpose of their quads, one vpsadbw a row.
-inline void interleave_x_i8(const uint8_t* xq, int64_t M, int64_t ldx, int8_t* dst, int32_t* corr) {
+// x's codes as the tiles read them (interleave_x_i8), per thread.
+struct TiledX {
+  std::vector<int8_t> codes;  // q = u - 128; row tile t's quad j: its 4 rows' 4 codes each, at ((t * ldx / 4 + j) * 4 + r) * 4
+  std::vector<int32_t> mul;   // m_g | m_g << 16 (vpmaddwd's pairs), at (t * groups + g) * 4 + r
+  std::vector<float> pow2;    // 2^e, at (t * blocks + b) * 4 + r
+  std::vector<float> corr;    // -128 sum_g s_g sum(q_g), per row (the panels' u = w + 128)
+};
+
+// x's u8 codes (M rows of stride ldx, a multiple of 64) and scales (quantize_row_u8's, M rows of
+// ldx / 16) as the tiles read them (TiledX); rows past M in the last tile are zeros (q = 0,
+// m = 0). m_g and e come back exactly from s_g: the block's largest s is m 2^e with m in
+// [128, 255], so e = its frexp exponent - 8. Why a copy: a tile's broadcasts then come from one
+// pointer; per tile and group: the 4 rows' 16 codes, a 4 x 4 transpose of their quads, a vpsadbw a row.
+inline void interleave_x_i8(const uint8_t* xq, const float* sx, int64_t M, int64_t ldx, TiledX& out) {
   static_assert(kPanelRowsXI8 == 4 && kI8ScaleGroup == 16, "a group is 4 quads of 4 rows: one 4 x 4 transpose");
   alignas(16) static const uint8_t kNoRow[kI8ScaleGroup] = {128, 128, 128, 128, 128, 128, 128, 128,
                                                             128, 128, 128, 128, 128, 128, 128, 128};
-  const int64_t sgroups = ldx / kI8ScaleGroup;
+  const int64_t groups = ldx / kI8ScaleGroup, blocks = (groups + kI8BlockGroups - 1) / kI8BlockGroups;
+  const int64_t tiles = (M + kPanelRowsXI8 - 1) / kPanelRowsXI8, rows = tiles * kPanelRowsXI8;
+  out.codes.resize(std::max<size_t>(out.codes.size(), rows * ldx));
+  out.mul.resize(std::max<size_t>(out.mul.size(), rows * groups));
+  out.pow2.resize(std::max<size_t>(out.pow2.size(), rows * blocks));
+  out.corr.resize(std::max<size_t>(out.corr.size(), rows));
   const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80)), zero = _mm_setzero_si128();
-  for (int64_t t = 0; t * kPanelRowsXI8 < M; ++t) {
+  for (int64_t t = 0; t < tiles; ++t) {
     const uint8_t* row[kPanelRowsXI8];
+    const float* srow[kPanelRowsXI8];
     int64_t step[kPanelRowsXI8];
+    float corr[kPanelRowsXI8] = {};
     for (int r = 0; r < kPanelRowsXI8; ++r) {
       const int64_t i = t * kPanelRowsXI8 + r;
       row[r] = i < M ? xq + i * ldx : kNoRow, step[r] = i < M ? kI8ScaleGroup : 0;
+      srow[r] = i < M ? sx + i * groups : nullptr;
     }
-    int8_t* d = dst + t * kPanelRowsXI8 * ldx;
-    int32_t* c = corr + t * sgroups * kPanelRowsXI8;
-    for (int64_t g = 0; g < sgroups; ++g, d += kPanelRowsXI8 * kI8ScaleGroup, c += kPanelRowsXI8) {
-      __m128i v[kPanelRowsXI8];
+    int8_t* d = out.codes.data() + t * kPanelRowsXI8 * ldx;
+    int32_t* mul = out.mul.data() + t * groups * kPanelRowsXI8;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t g0 = b * kI8BlockGroups, g1 = std::min(groups, g0 + kI8BlockGroups);
+      float down[kPanelRowsXI8];
       for (int r = 0; r < kPanelRowsXI8; ++r) {
-        v[r] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row[r] + g * step[r]));
-        const __m128i sad = _mm_sad_epu8(v[r], zero);  // the two halves' sums of u
-        c[r] = -128 * (_mm_cvtsi128_si32(sad) + _mm_extract_epi16(sad, 4) - 128 * static_cast<int32_t>(kI8ScaleGroup));
-        v[r] = _mm_xor_si128(v[r], flip);  // q = u - 128 as int8
+        float mx = 0.f;
+        if (srow[r])
+          for (int64_t g = g0; g < g1; ++g) mx = std::max(mx, srow[r][g]);
+        const int e = mx > 0.f ? float_exponent(mx) - 8 : 0;
+        out.pow2[(t * blocks + b) * kPanelRowsXI8 + r] = mx > 0.f ? pow2f(e) : 0.f;
+        down[r] = mx > 0.f ? pow2f(-e) : 0.f;
       }
-      const __m128i a = _mm_unpacklo_epi32(v[0], v[1]), b = _mm_unpacklo_epi32(v[2], v[3]);  // quads 0, 1
-      const __m128i e = _mm_unpackhi_epi32(v[0], v[1]), f = _mm_unpackhi_epi32(v[2], v[3]);  // quads 2, 3
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(d), _mm_unpacklo_epi64(a, b));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 16), _mm_unpackhi_epi64(a, b));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 32), _mm_unpacklo_epi64(e, f));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 48), _mm_unpackhi_epi64(e, f));
+      for (int64_t g = g0; g < g1; ++g, d += kPanelRowsXI8 * kI8ScaleGroup, mul += kPanelRowsXI8) {
+        __m128i v[kPanelRowsXI8];
+        for (int r = 0; r < kPanelRowsXI8; ++r) {
+          v[r] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row[r] + g * step[r]));
+          const __m128i sad = _mm_sad_epu8(v[r], zero);  // the two halves' sums of u
+          const int32_t sum_q = _mm_cvtsi128_si32(sad) + _mm_extract_epi16(sad, 4) - 128 * static_cast<int32_t>(kI8ScaleGroup);
+          const float sg = srow[r] ? srow[r][g] : 0.f;
+          const int32_t m = static_cast<int32_t>(sg * down[r]);
+          mul[r] = m | (m << 16);
+          corr[r] -= 128.f * static_cast<float>(sum_q) * sg;
+          v[r] = _mm_xor_si128(v[r], flip);  // q = u - 128 as int8
+        }
+        const __m128i a = _mm_unpacklo_epi32(v[0], v[1]), c = _mm_unpacklo_epi32(v[2], v[3]);  // quads 0, 1
+        const __m128i e = _mm_unpackhi_epi32(v[0], v[1]), f = _mm_unpackhi_epi32(v[2], v[3]);  // quads 2, 3
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(d), _mm_unpacklo_epi64(a, c));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 16), _mm_unpackhi_epi64(a, c));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 32), _mm_unpacklo_epi64(e, f));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 48), _mm_unpackhi_epi64(e, f));
+      }
     }
+    for (int r = 0; r < kPanelRowsXI8; ++r) out.corr[t * kPanelRowsXI8 + r] = corr[r];
   }
 }
 
-// y[i * ldy + c] = (sum_g dot_g(q row i, column c) * sx[i * sgroups + g]) * scale[c] + bias[c] for
-// c < cols (<= 8 NH) of the first NH halves of panel wp (8 columns each), MB rows of x (one
-// row tile of interleave_x_i8: codes xt, group corrections xc; scales sx, sgroups a row).
-// Per group of 16 values and row: the correction starts each half's int32 sums (its 8 columns,
-// in order), 4 quads of vpmaddubsw + vpmaddwd + vpaddd, then one convert and FMA into float32.
-// One or two rows (the tile streams the panel from memory, at the memory's rate) prefetch a line a
-// quad kPanelAheadI8 ahead; with more rows the caller prefetches the next panel into L2 while the
-// row tiles go over this one (panel_products_i8). Measured with the int16 tile this replaced, the
-// default model's w8a8 decode at one stream on a Zen 3, in one process, rounds alternated, against
-// no prefetch: 512 bytes ahead 1.01x the step, 768 1.04, 1 KiB 0.87-0.92 (11 of 12, 9 of 10, 7 of
-// 8 rounds faster), 1.5 KiB 0.88, 2 KiB 0.89, 4 KiB 0.90, 16 KiB 0.98: about a memory latency's
-// worth of the stream (~100 ns at 10-15 GB/s a core).
+// y[i * ldy + c] = (sum_g dot_g(q row i, column c) * s_g + corr_i) * scale[c] + bias[c] for c <
+// cols (<= 8 NH) of the first NH halves of panel wp (8 columns each), MB rows of x (one row tile
+// of TiledX: codes xt, multiples mul, powers of two p2, corrections corr; groups a row). Per
+// block: int32 sums from zero, per group and quad vpmaddubsw + vpmaddwd by m_g + vpaddd, then one
+// convert and FMA by 2^e into float32. One or two rows (the tile streams the panel from memory,
+// at the memory's rate) prefetch a line a quad kPanelAheadI8 ahead; with more rows the caller
+// prefetches the next panel into L2 while the row tiles go over this one (panel_products_i8).
+// Measured with the int16 tile this replaced, the default model's w8a8 decode at one stream on a
+// Zen 3, in one process, rounds alternated, against no prefetch: 512 bytes ahead 1.01x the step,
+// 768 1.04, 1 KiB 0.87-0.92 (11 of 12, 9 of 10, 7 of 8 rounds faster), 1.5 KiB 0.88, 2 KiB 0.89,
+// 4 KiB 0.90, 16 KiB 0.98: about a memory latency's worth of the stream (~100 ns at 10-15 GB/s a core).
 constexpr int64_t kPanelAheadI8 = 1024;
 template <int MB, int NH>
-inline void panel_tile_i8(const int8_t* xt, const int32_t* xc, const float* sx, int64_t sgroups, const int8_t* wp,
-                          const float* scale, const float* bias, int cols, float* y, int64_t ldy) {
+inline void panel_tile_i8(const int8_t* xt, const int32_t* mul, const float* p2, const float* corr, int64_t groups,
+                          const int8_t* wp, const float* scale, const float* bias, int cols, float* y, int64_t ldy) {
   constexpr int64_t kQuads = kI8ScaleGroup / 4;         // quads per group
   constexpr int64_t kGroupBytes = kQuads * 4 * kPanel;  // a group of a panel: 4 quads of 64 bytes
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MB][NH];
 #pragma GCC unroll 4
   for (int i = 0; i < MB; ++i)
 #pragma GCC unroll 2
     for (int h = 0; h < NH; ++h) acc[i][h] = _mm256_setzero_ps();
   const uint8_t* w = reinterpret_cast<const uint8_t*>(wp);
-  for (int64_t g = 0; g < sgroups; ++g, w += kGroupBytes, xt += kI8ScaleGroup * kPanelRowsXI8, xc += kPanelRowsXI8) {
+  for (int64_t g0 = 0; g0 < groups; g0 += kI8BlockGroups, p2 += kPanelRowsXI8) {
+    const int64_t g1 = std::min(groups, g0 + kI8BlockGroups);
     __m256i s[MB][NH];
 #pragma GCC unroll 4
     for (int i = 0; i < MB; ++i)
 #pragma GCC unroll 2
-      for (int h = 0; h < NH; ++h) s[i][h] = _mm256_set1_epi32(xc[i]);
+      for (int h = 0; h < NH; ++h) s[i][h] = _mm256_setzero_si256();
+    for (int64_t g = g0; g < g1; ++g, w += kGroupBytes, xt += kI8ScaleGroup * kPanelRowsXI8, mul += kPanelRowsXI8) {
+      __m256i mv[MB];  // row i's m_g in every int16 lane
 #pragma GCC unroll 4
-    for (int q = 0; q < kQuads; ++q) {
-      if constexpr (MB <= 2) _mm_prefetch(reinterpret_cast<const char*>(w) + q * 64 + kPanelAheadI8, _MM_HINT_T0);
-      __m256i wv[NH];  // 8 columns x the quad each, u = w + 128
-#pragma GCC unroll 2
-      for (int h = 0; h < NH; ++h) wv[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + q * 64 + 32 * h));
+      for (int i = 0; i < MB; ++i) mv[i] = _mm256_set1_epi32(mul[i]);
 #pragma GCC unroll 4
-      for (int i = 0; i < MB; ++i) {
-        int32_t quad;  // row i's 4 codes of this quad
-        std::memcpy(&quad, xt + (q * kPanelRowsXI8 + i) * 4, sizeof(quad));
-        const __m256i b = _mm256_set1_epi32(quad);
+      for (int q = 0; q < kQuads; ++q) {
+        if constexpr (MB <= 2) _mm_prefetch(reinterpret_cast<const char*>(w) + q * 64 + kPanelAheadI8, _MM_HINT_T0);
+        __m256i wv[NH];  // 8 columns x the quad each, u = w + 128
 #pragma GCC unroll 2
-        for (int h = 0; h < NH; ++h) {
-          s[i][h] = _mm256_add_epi32(s[i][h], _mm256_madd_epi16(_mm256_maddubs_epi16(wv[h], b), ones));
-          // Integer adds reassociate: unpinned, gcc may sum a group's products as a tree at its
-          // end, a ymm of products per quad spilled to the stack (measured 1.4x slower).
-          __asm__("" : "+x"(s[i][h]));
+        for (int h = 0; h < NH; ++h) wv[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + q * 64 + 32 * h));
+#pragma GCC unroll 4
+        for (int i = 0; i < MB; ++i) {
+          int32_t quad;  // row i's 4 codes of this quad
+          std::memcpy(&quad, xt + (q * kPanelRowsXI8 + i) * 4, sizeof(quad));
+          const __m256i b = _mm256_set1_epi32(quad);
+#pragma GCC unroll 2
+          for (int h = 0; h < NH; ++h) {
+            s[i][h] = _mm256_add_epi32(s[i][h], _mm256_madd_epi16(_mm256_maddubs_epi16(wv[h], b), mv[i]));
+            // Integer adds reassociate: unpinned, gcc may sum a group's products as a tree at its
+            // end, a ymm of products per quad spilled to the stack (measured 1.4x slower). At one
+            // or two rows pinned sums went through the stack from group to group (1.15x slower).
+            if constexpr (MB > 2) __asm__("" : "+x"(s[i][h]));
+          }
         }
       }
     }
 #pragma GCC unroll 4
     for (int i = 0; i < MB; ++i) {
-      const __m256 sv = _mm256_set1_ps(sx[i * sgroups + g]);
+      const __m256 pv = _mm256_set1_ps(p2[i]);
 #pragma GCC unroll 2
-      for (int h = 0; h < NH; ++h) acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i][h]), sv, acc[i][h]);
+      for (int h = 0; h < NH; ++h) acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i][h]), pv, acc[i][h]);
     }
   }
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -1060,30 +1153,31 @@ inline void panel_tile_i8(const int8_t* xt, const int32_t* xc, const float* sx, 
     const __m256 sv = _mm256_maskload_ps(scale + 8 * h, mask);
     const __m256 bv = bias ? _mm256_maskload_ps(bias + 8 * h, mask) : _mm256_setzero_ps();
 #pragma GCC unroll 4
-    for (int i = 0; i < MB; ++i) _mm256_maskstore_ps(y + i * ldy + 8 * h, mask, _mm256_fmadd_ps(acc[i][h], sv, bv));
+    for (int i = 0; i < MB; ++i) {
+      const __m256 a = _mm256_add_ps(acc[i][h], _mm256_set1_ps(corr[i]));
+      _mm256_maskstore_ps(y + i * ldy + 8 * h, mask, _mm256_fmadd_ps(a, sv, bv));
+    }
   }
 }
 
 // The AVX-512 variant's panel_products_i8 (the same arguments; `corr` and `cold` unused, sx
-// [M, i8_scale_groups(K)]). x is interleaved (interleave_x_i8) once per call, or, given x_epoch
-// (next_x_epoch: one id per quantization of the codes), once per thread: the next calls with the
-// same codes, epoch and rows reuse the copy. Each panel whole (the next one prefetched meanwhile),
-// every row tile over it before the next, so a panel is read from memory once (by the first row
-// tile) and from L1 (9-24 KiB at SmolLM2's K) by the others.
+// [M, i8_scale_groups(K)]). x is made into a TiledX (interleave_x_i8) once per call, or, given
+// x_epoch (next_x_epoch: one id per quantization of the codes), once per thread: the next calls
+// with the same codes, epoch and rows reuse the copy. Each panel whole (the next one prefetched
+// meanwhile), every row tile over it before the next, so a panel is read from memory once (by the
+// first row tile) and from L1 (9-24 KiB at SmolLM2's K) by the others.
 inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int64_t K, const int8_t* panels,
                               const int32_t* /*corr*/, int64_t r0, int64_t rows, const float* scale,
                               const float* bias, float* y, int64_t ldy, bool /*cold*/, uint64_t x_epoch = 0) {
   const int64_t ldx = i8_groups(K) * kI8Group, ls = ldx / kI8ScaleGroup;
+  const int64_t blocks = (ls + kI8BlockGroups - 1) / kI8BlockGroups;
   const int64_t tiles = (M + kPanelRowsXI8 - 1) / kPanelRowsXI8;
-  thread_local std::vector<int8_t> x8;    // interleave_x_i8's copy of x, per thread, grown once
-  thread_local std::vector<int32_t> xc8;  // and its group corrections
-  thread_local const uint8_t* made_from = nullptr;  // the codes x8 holds: these, at this epoch
+  thread_local TiledX tx;  // per thread, grown once
+  thread_local const uint8_t* made_from = nullptr;  // the codes tx holds: these, at this epoch
   thread_local int64_t made_m = 0;
   thread_local uint64_t made_epoch = 0;
   if (x_epoch == 0 || x_epoch != made_epoch || xq != made_from || M != made_m) {
-    if (x8.size() < static_cast<size_t>(tiles * kPanelRowsXI8 * ldx)) x8.resize(tiles * kPanelRowsXI8 * ldx);
-    if (xc8.size() < static_cast<size_t>(tiles * kPanelRowsXI8 * ls)) xc8.resize(tiles * kPanelRowsXI8 * ls);
-    interleave_x_i8(xq, M, ldx, x8.data(), xc8.data());
+    interleave_x_i8(xq, sx, M, ldx, tx);
     made_from = xq, made_m = M, made_epoch = x_epoch;
   }
   const int64_t np = (rows + kPanel - 1) / kPanel;
@@ -1093,8 +1187,12 @@ inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, rows - c0));
     const float* bs = bias ? bias + col : nullptr;
     if (M <= 2) {
-      if (M == 1) panel_tile_i8<1, 2>(x8.data(), xc8.data(), sx, ls, wp, scale + col, bs, cols, y + c0, ldy);
-      else panel_tile_i8<2, 2>(x8.data(), xc8.data(), sx, ls, wp, scale + col, bs, cols, y + c0, ldy);
+      if (M == 1)
+        panel_tile_i8<1, 2>(tx.codes.data(), tx.mul.data(), tx.pow2.data(), tx.corr.data(), ls, wp, scale + col, bs,
+                            cols, y + c0, ldy);
+      else
+        panel_tile_i8<2, 2>(tx.codes.data(), tx.mul.data(), tx.pow2.data(), tx.corr.data(), ls, wp, scale + col, bs,
+                            cols, y + c0, ldy);
       continue;
     }
     // The next panel's lines into L2, a share before each row tile: its first row tile then
@@ -1108,9 +1206,8 @@ inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int
       constexpr int MB = decltype(mb_tag)::value;
       const int64_t l0 = m / kPanelRowsXI8 * lines_per_tile, l1 = std::min(next_lines, l0 + lines_per_tile);
       for (int64_t l = l0; l < l1; ++l) _mm_prefetch(next_panel + l * 64, _MM_HINT_T1);
-      const int8_t* xt = x8.data() + m * ldx;  // row tile m / 4
-      const int32_t* xc = xc8.data() + m * ls;
-      panel_tile_i8<MB, 2>(xt, xc, sx + m * ls, ls, wp, scale + col, bs, cols, y + m * ldy + c0, ldy);
+      panel_tile_i8<MB, 2>(tx.codes.data() + m * ldx, tx.mul.data() + m * ls, tx.pow2.data() + m * blocks,
+                           tx.corr.data() + m, ls, wp, scale + col, bs, cols, y + m * ldy + c0, ldy);
     });
   }
 }
