@@ -456,7 +456,8 @@ W8A8_CASES = [(m, k) for k in (45, 576, 600) for m in (1, 3, 4, 5, 32, 127)]  # 
 
 def x_scales_pow2(t: torch.Tensor, per_block: int) -> torch.Tensor:
     """The AVX2 variant's group scales from t = max|x_g| / qmax (float32 [m, groups]): per block
-    of `per_block` groups, e with ceil(max t / 2^e) in [128, 255], each scale ceil(t / 2^e) 2^e."""
+    of `per_block` groups, e with ceil(max t / 2^e) in [128, 255], each scale ceil(t / 2^e) 2^e (all
+    0 where max t < 2^-100)."""
     m, groups = t.shape
     blocks = -(-groups // per_block)
     tb = F.pad(t, (0, blocks * per_block - groups)).view(m, blocks, per_block)
@@ -464,7 +465,7 @@ def x_scales_pow2(t: torch.Tensor, per_block: int) -> torch.Tensor:
     e = torch.frexp(tmax).exponent - 8
     e = torch.where(torch.ceil(tmax * torch.pow(2.0, -e.float())) > 255, e + 1, e).float()
     scale = torch.ceil(tb * torch.pow(2.0, -e)) * torch.pow(2.0, e)
-    return torch.where(tmax > 0, scale, torch.zeros_like(scale)).view(m, -1)[:, :groups]
+    return torch.where(tmax >= 2.0**-100, scale, torch.zeros_like(scale)).view(m, -1)[:, :groups]
 
 
 def w8a8_reference(x: torch.Tensor, lin: WeightOnlyLinear) -> tuple[torch.Tensor, torch.Tensor]:
@@ -553,7 +554,8 @@ def test_w8a8_is_int8_x_per_group_times_the_codes(m, k):
 
 @needs_int8_dot
 def test_w8a8_holds_to_its_reference_when_x_spans_decades():
-    """Rows whose groups of 16 span 1e-6 to 1e2, some all zero: beside a large group a small one
+    """Rows whose groups of 16 span 1e-6 to 1e2, some all zero, a block of them tiny (~1e-36: held
+    as zeros, whose power of two would overflow float32): beside a large group a small one
     gets only a few multiples of its block's power of two (avx2: m_g down to 0 or 1), and still the
     output is the documented math (w8a8_reference), each sum exact, no int32 lane overflowed."""
     m, k, n = 6, 600, 37
@@ -564,6 +566,7 @@ def test_w8a8_holds_to_its_reference_when_x_spans_decades():
     x = torch.randn(m, k, generator=gen) * spread
     x[1, 32:64] = 0.0  # two whole groups of zeros
     x[2] = 0.0  # a row of zeros
+    x[3, :256] *= 1e-35  # a block below 2^-100 * 63: held as zeros
     lin = WeightOnlyLinear(_weight(n, k), torch.int8, torch.randn(n, generator=gen), int8_activations=True)
     want, bound = w8a8_reference(x, lin)
     y = lin(x)

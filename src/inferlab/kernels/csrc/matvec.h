@@ -932,6 +932,7 @@ constexpr int kI8ScaleMul = 255;        // the largest m_g
 constexpr int kPanelRowsXI8 = 4;        // rows of x per tile
 constexpr int kPanelsPerTileI8 = 1;     // the unit column ranges are cut in (linear.cpp)
 constexpr int64_t kI8BlockGroups = kI8ScaleBlock / kI8ScaleGroup;
+constexpr float kI8TinyScale = 0x1p-100f;  // a block whose largest max|x_g| / 63 is below this is zeros
 
 // frexp's exponent of v > 0 (v = f 2^E, f in [0.5, 1)), from its bits where v is normal.
 inline int float_exponent(float v) {
@@ -980,12 +981,13 @@ inline void quantize_row_u8(const float* x, int64_t K, uint8_t* dst, float* scal
       t[j] = amax / static_cast<float>(kI8QMax);
       tmax = std::max(tmax, t[j]);
     }
+    if (!(tmax >= kI8TinyScale)) tmax = 0.f;  // (2^-e would overflow) a block of zeros: every m_g 0
     int e = tmax > 0.f ? float_exponent(tmax) - 8 : 0;  // tmax / 2^e in [128, 256)
     if (tmax > 0.f && std::ceil(tmax * pow2f(-e)) > kI8ScaleMul) ++e;
     const float down = pow2f(-e), up = pow2f(e);
     for (int64_t j = 0; j < nb; ++j) {
       const int64_t g = b0 + j, k0 = g * kI8ScaleGroup, n = std::max<int64_t>(0, std::min(kI8ScaleGroup, K - k0));
-      const float sg = std::ceil(t[j] * down) * up;
+      const float sg = tmax > 0.f ? std::ceil(t[j] * down) * up : 0.f;
       scales[g] = sg;
       const float inv = sg > 0.f ? 1.0f / sg : 0.f;
       const float* xg = x + k0;
