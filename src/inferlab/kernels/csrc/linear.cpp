@@ -308,7 +308,8 @@ void check_i8_panels(const char* name, int64_t K, const at::Tensor& panels, cons
 }
 
 // y [M, n] from x's codes (u8, rows of i8_groups(K) * 64) and scales [M, i8_scale_groups(K)]: 64 rows
-// a pass over the weights, each pass's panels shared out over the threads.
+// a pass over the weights, each pass's panels shared out over the threads; or, on the AVX2
+// variant from 2 passes a thread on, the rows shared out, each thread's over every panel.
 void products_i8(const uint8_t* qp, const float* sp, int64_t M, int64_t K, const at::Tensor& panels,
                  const at::Tensor& corr, const at::Tensor& scale, int64_t n, const float* bias_p, float* yp) {
   const int64_t ldx = i8_groups(K) * kI8Group, ls = i8_scale_groups(K), np = (n + kPanel - 1) / kPanel;
@@ -316,6 +317,22 @@ void products_i8(const uint8_t* qp, const float* sp, int64_t M, int64_t K, const
   const int8_t* wp = panels.data_ptr<int8_t>();
   const int32_t* cp = corr.data_ptr<int32_t>();
   const float* scp = scale.data_ptr<float>();
+  const int64_t row_blocks = (M + kPanelRowBlock - 1) / kPanelRowBlock, threads = at::get_num_threads();
+  if (kI8SplitRows && row_blocks >= 2 * threads) {
+    // Each thread whole blocks of rows over every panel: one fork and join a product, and x's
+    // tile copy made by the one thread that reads it (matvec.h kI8SplitRows). Blocks of equal
+    // size, a multiple of 4 rows, as many as the 64-row passes rounded up to whole rounds of threads.
+    const int64_t blocks = (row_blocks + threads - 1) / threads * threads;
+    const int64_t per = ((M + blocks - 1) / blocks + kPanelRowsXI8 - 1) / kPanelRowsXI8 * kPanelRowsXI8;
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      for (int64_t b; (b = next.fetch_add(1, std::memory_order_relaxed)) * per < M;) {
+        const int64_t m0 = b * per, mm = std::min(per, M - m0);
+        panel_products_i8(qp + m0 * ldx, sp + m0 * ls, mm, K, wp, cp, 0, n, scp, bias_p, yp + m0 * n, n, true, epoch);
+      }
+    });
+    return;
+  }
   for (int64_t m0 = 0; m0 < M; m0 += kPanelRowBlock) {
     const int64_t mm = std::min(kPanelRowBlock, M - m0);
     for_block_chunks(np, [&](int64_t p0, int64_t p1) {

@@ -668,6 +668,7 @@ constexpr int kI8QMax = 127;                  // x's codes: q in [-127, 127], st
 constexpr uint8_t kI8PanelXor = 0;            // the panels hold the codes as they are
 constexpr bool kI8ColumnSums = true;          // `corr` (below) is read
 constexpr int64_t kI8ScaleBlock = 0;          // the scales are any float32 (the AVX2 variant's are not)
+constexpr bool kI8SplitRows = false;          // linear.cpp products_i8 shares panels out (see the AVX2 variant's)
 // vpdpbusd multiplies unsigned by signed bytes, so x is stored as u = q + 128, and
 // dot(u, w) = dot(q, w) + 128 * sum(w_group): the weight's per-group sums, times -128, computed
 // once at load (`corr`), start each group's integer sum, which is then exact.
@@ -932,6 +933,15 @@ constexpr int kI8ScaleMul = 255;        // the largest m_g
 constexpr int kPanelRowsXI8 = 4;        // rows of x per tile
 constexpr int kPanelsPerTileI8 = 1;     // the unit column ranges are cut in (linear.cpp)
 constexpr int64_t kI8BlockGroups = kI8ScaleBlock / kI8ScaleGroup;
+// Many rows (linear.cpp products_i8): each thread whole blocks of rows over every panel, rather
+// than every 64-row pass's panels shared out: a pass cost a fork and join, and each thread made
+// its own tile copy of the same 64 rows (interleave_x_i8: 2.2% of a 2,048-token prefill step's
+// samples). The panels (at most 1.8 MB a layer's linear here) are then read by both threads from
+// L3. In-process A/B, the default model's w8a8 prefill, 8 alternated rounds: 8 prompts of 256
+// tokens 0.916x the time (8 of 8), one of 512 0.969x (8 of 8), of 200 0.952x (8 of 8), of 130
+// 1.005x (4 of 8; from 2 passes a thread on only). Not measured on the AVX-512 variant: it keeps
+// the passes.
+constexpr bool kI8SplitRows = true;
 constexpr float kI8TinyScale = 0x1p-100f;  // a block whose largest max|x_g| / 63 is below this is zeros
 
 // frexp's exponent of v > 0 (v = f 2^E, f in [0.5, 1)), from its bits where v is normal.
