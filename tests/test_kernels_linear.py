@@ -534,9 +534,9 @@ def w8a8_outputs(expect_variant: str = "") -> dict[tuple[int, int], tuple[torch.
 def test_w8a8_is_int8_x_per_group_times_the_codes(m, k):
     """weight_dtype w8a8, on this process's variant (vpdpbusd on avx512: 8-bit x per 64 values;
     vpmaddubsw on avx2: 7-bit x per 16, scales in powers of two per 256): x quantized per group
-    (symmetric, round half to even),
-    each group's integer sum exact, then the scales; against that math in float64, to float32's
-    rounding. What the server reports (KernelInfo) is what the build runs (w8a8_numerics)."""
+    (symmetric, round half to even), each group's integer sum exact, then the scales; against that
+    math in float64, to float32's rounding. What the server reports (KernelInfo) is what the build
+    runs (w8a8_numerics)."""
     kernel = build.kernel_info()
     assert list(torch.ops.inferlab.w8a8_numerics()) == [kernel.int8_x_group, kernel.int8_x_max, kernel.int8_panel_xor,
                                                        kernel.int8_scale_block]

@@ -116,7 +116,8 @@ class KernelInfo:
     def describe_w8a8(self) -> str:
         """How w8a8 multiplies here, in a few words (the load log, the server's report)."""
         bits = self.int8_x_max.bit_length() + 1
-        scales = f" (scales 8-bit multiples of a power of two per {self.int8_scale_block})" if self.int8_scale_block else ""
+        block = self.int8_scale_block
+        scales = f" (scales 8-bit multiples of a power of two per {block})" if block else ""
         return f"x quantized to {bits}-bit per {self.int8_x_group} values{scales}, {self.int8_dot}"
 
     @property
@@ -265,7 +266,8 @@ def _build(variant: str, flags: tuple[str, ...], why: str) -> KernelInfo:
         return KernelInfo("none", flags, f"the {variant} build reports ISA {compiled!r}")
     info = KernelInfo(variant, flags, why, tuple(cflags), str(build_dir))
     numerics = [int(v) for v in torch.ops.inferlab.w8a8_numerics()]
-    if numerics != [info.int8_x_group, info.int8_x_max, info.int8_panel_xor, info.int8_scale_block]:  # what we report is what runs
+    reported = [info.int8_x_group, info.int8_x_max, info.int8_panel_xor, info.int8_scale_block]
+    if numerics != reported:  # what we report is what runs
         return KernelInfo("none", flags, f"the {variant} build's w8a8 numerics {numerics} are not the reported ones")
     return info
 
