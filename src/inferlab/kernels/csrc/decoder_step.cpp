@@ -195,6 +195,20 @@ struct Work {
   int64_t x_phase = -1, phase = 0;
 };
 
+// w8a8 from kSharedNormRows rows on: a product phase's x quantized (and on AVX2 tiled) once, by
+// every thread a share of its row tiles, rather than whole by each thread for itself. Why: at 32
+// rows each thread spent ~9 us a phase (24 at the down product's 1,536 values a row) making the
+// same copy, 6-11% of the qkv, o and down phases. The norms before qkv and gate/up make it as they
+// go (their barrier was there already); o and down gain one. In-process A/B, the default model's
+// w8a8 decode at 32 streams, Zen 3, 8 alternated rounds: the step 48.77 -> 48.03 ms (qkv 4.98 ->
+// 4.77, gate/up 12.93 -> 12.24, down 7.21 -> 6.95, the norm 0.24 -> 0.40). Grown once (forward
+// runs one step at a time).
+struct SharedX {
+  std::vector<uint8_t> xq;  // quantize_row_u8's codes, rows of the largest K's stride
+  std::vector<float> sx;    // and scales
+  TiledX tiles;             // interleave_x_i8's (the AVX2 variant's; empty on AVX-512)
+};
+
 at::Tensor present(const at::Tensor& t) { return t.numel() > 0 ? t : at::Tensor(); }
 
 class DecoderStep : public torch::CustomClassHolder {
@@ -468,9 +482,10 @@ class DecoderStep : public torch::CustomClassHolder {
   // o, gate/up and down each 3-7% faster; in-process A/B, 12 rounds; two more sets of 10 and 14
   // rounds 43.80 -> 41.47 and 43.68 -> 42.51). Guessing the preceding task for the threads that
   // take from the back of a queue (take_units) measured no better.
+  // shx: x made already for every thread (make_shared_x), where the phase has one.
   template <typename T>
   void products(const float* in, int64_t m, const Linear& lin, int64_t r0, int64_t rows, float* y, int64_t ldy,
-                Work& wk, int64_t after_r = -1, int64_t after_n = 0) const {
+                Work& wk, int64_t after_r = -1, int64_t after_n = 0, const SharedX* shx = nullptr) const {
     if constexpr (std::is_same_v<T, uint8_t>) {  // 4-bit codes: x quantized per call (q4.h)
       inferlab_q4::quantize_x(in, m, lin.k, wk.q4x);
       inferlab_q4::row_products_q4(wk.q4x, lin.w.data_ptr<uint8_t>(), lin.dm, r0, rows, lin.bias, y, ldy);
@@ -494,6 +509,11 @@ class DecoderStep : public torch::CustomClassHolder {
       }
 #endif
       if constexpr (std::is_same_v<T, int8_t>) {
+        if (lin.i8_panels.defined() && shx) {
+          panel_products_i8_tiled(shx->xq.data(), shx->sx.data(), shx->tiles, m, lin.k,
+                                  lin.i8_panels.data_ptr<int8_t>(), lin.corr, r0, rows, lin.scale, lin.bias, y, ldy);
+          return;
+        }
         if (lin.i8_panels.defined()) {
           const int64_t groups = i8_groups(lin.k);
           if (wk.x_src != in || wk.x_phase != wk.phase) {
@@ -515,10 +535,32 @@ class DecoderStep : public torch::CustomClassHolder {
   // x[:, n0 .. n0 + nn] += in @ W^T for those columns (o and down: the residual add).
   template <typename T>
   void add_product(const float* in, int64_t m, const Linear& lin, int64_t n0, int64_t nn, float* x,
-                   Work& wk, int64_t after_r = -1, int64_t after_n = 0) const {
-    products<T>(in, m, lin, n0, nn, wk.cols.data(), nn, wk, after_r, after_n);
+                   Work& wk, int64_t after_r = -1, int64_t after_n = 0, const SharedX* shx = nullptr) const {
+    products<T>(in, m, lin, n0, nn, wk.cols.data(), nn, wk, after_r, after_n, shx);
     for (int64_t i = 0; i < m; ++i)
       for (int64_t j = 0; j < nn; ++j) x[i * hidden_ + n0 + j] += wk.cols[i * nn + j];
+  }
+
+  // shared_x_ made from the m rows of `in` (k values each), each thread whole row tiles, ending
+  // in a barrier; with norm_w, the rows are rms_norm(in) * norm_w first (written to hbuf too: k is
+  // then the hidden size).
+  const SharedX* make_shared_x(const float* in, int64_t m, int64_t k, const float* norm_w, float* hbuf) const {
+    const int64_t ldx = i8_groups(k) * kI8Group, ls = i8_scale_groups(k);
+    uint8_t* xq = shared_x_.xq.data();
+    float* sx = shared_x_.sx.data();
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < (m + kPanelRowsXI8 - 1) / kPanelRowsXI8; ++t) {
+      for (int64_t i = t * kPanelRowsXI8; i < std::min(m, (t + 1) * kPanelRowsXI8); ++i) {
+        const float* row = in + i * k;
+        if (norm_w) {
+          rms_norm_row(row, norm_w, k, eps_, hbuf + i * k);
+          row = hbuf + i * k;
+        }
+        quantize_row_u8(row, k, xq + i * ldx, sx + i * ls);
+      }
+      interleave_x_i8(xq, sx, m, ldx, shared_x_.tiles, t, t + 1);
+    }
+    return &shared_x_;
   }
 
   // Columns per task when n columns are shared by nt threads.
@@ -593,6 +635,15 @@ class DecoderStep : public torch::CustomClassHolder {
       share_out(runs + 3 * nt, nt, hidden_units, split);
     }
 
+    // w8a8 from kSharedNormRows rows on: each product phase's x made once (SharedX)
+    const bool share_x = std::is_same_v<T, int8_t> && layers_[0].qkv.i8_panels.defined() && m >= kSharedNormRows;
+    if (share_x) {
+      const int64_t ldx = i8_groups(max_k) * kI8Group, rows = (m + kPanelRowsXI8 - 1) / kPanelRowsXI8 * kPanelRowsXI8;
+      shared_x_.xq.resize(std::max<size_t>(shared_x_.xq.size(), rows * ldx));
+      shared_x_.sx.resize(std::max<size_t>(shared_x_.sx.size(), rows * i8_scale_groups(max_k)));
+      size_tiled_x(m, ldx, shared_x_.tiles);
+    }
+
 #pragma omp parallel num_threads(nt)
     {
       thread_local Work wk;
@@ -627,11 +678,12 @@ class DecoderStep : public torch::CustomClassHolder {
         float* vsc = v_scales_.empty() ? nullptr : v_scales_[l].data_ptr<float>();
         Run* runs = shares.get() + l * kShared * nt;  // this layer's qkv, o, gate/up and down
         enter(kQkv);
-        const float* hn = norm_rows(x, ly.input_norm, m, hbuf, wk);
+        const SharedX* shx = share_x ? make_shared_x(x, m, hidden_, ly.input_norm.data_ptr<float>(), hbuf) : nullptr;
+        const float* hn = share_x ? hbuf : norm_rows(x, ly.input_norm, m, hbuf, wk);
 
         for (int64_t h0, h1; take_units(runs, nt, tid, qkv_hpt, split, h0, h1);) {
           const int64_t w = (h1 - h0) * d;
-          products<T>(hn, m, ly.qkv, h0 * d, w, wk.head.data(), w, wk, h1 * d, d);
+          products<T>(hn, m, ly.qkv, h0 * d, w, wk.head.data(), w, wk, h1 * d, d, shx);
           for (int64_t hh = h0; hh < h1; ++hh)
             for (int64_t i = 0; i < m; ++i) {
               float* row = wk.head.data() + i * w + (hh - h0) * d;
@@ -675,29 +727,32 @@ class DecoderStep : public torch::CustomClassHolder {
         }
 
         enter(kO);
+        if (share_x) shx = make_shared_x(attn, m, h * d, nullptr, nullptr);
         for (int64_t u0, u1; take_units(runs + nt, nt, tid, hidden_cap, split, u0, u1);)
           add_product<T>(attn, m, ly.o, u0 * unit, std::min(u1 * unit, hidden_) - u0 * unit, x, wk,
-                         u1 * unit, unit);
+                         u1 * unit, unit, shx);
 #pragma omp barrier
 
         clock.mark(kNorm);
-        hn = norm_rows(x, ly.post_norm, m, hbuf, wk);
+        if (share_x) shx = make_shared_x(x, m, hidden_, ly.post_norm.data_ptr<float>(), hbuf);
+        hn = share_x ? hbuf : norm_rows(x, ly.post_norm, m, hbuf, wk);
 
         enter(kGateUp);
         for (int64_t u0, u1; take_units(runs + 2 * nt, nt, tid, inter_cap, split, u0, u1);) {
           const int64_t j0 = u0 * unit, nn = std::min(u1 * unit, inter) - j0;
-          products<T>(hn, m, ly.gate_up, j0, nn, wk.cols.data(), nn, wk, inter + j0, nn);           // gate
+          products<T>(hn, m, ly.gate_up, j0, nn, wk.cols.data(), nn, wk, inter + j0, nn, shx);           // gate
           products<T>(hn, m, ly.gate_up, inter + j0, nn, wk.cols2.data(), nn, wk,
-                      j0 + nn < inter ? j0 + nn : -1, unit);  // up
+                      j0 + nn < inter ? j0 + nn : -1, unit, shx);  // up
           for (int64_t i = 0; i < m; ++i)
             silu_mul_row(wk.cols.data() + i * nn, wk.cols2.data() + i * nn, nn, act + i * inter + j0);
         }
 #pragma omp barrier
 
         enter(kDown);
+        if (share_x) shx = make_shared_x(act, m, inter, nullptr, nullptr);
         for (int64_t u0, u1; take_units(runs + 3 * nt, nt, tid, hidden_cap, split, u0, u1);)
           add_product<T>(act, m, ly.down, u0 * unit, std::min(u1 * unit, hidden_) - u0 * unit, x, wk,
-                         u1 * unit, unit);
+                         u1 * unit, unit, shx);
 #pragma omp barrier
       }
 
@@ -713,6 +768,7 @@ class DecoderStep : public torch::CustomClassHolder {
   bool profiling_ = false;
   bool bf16_dot_ = false;  // attention over the bf16 caches by vdpbf16ps (attention.h decode_task_dot)
   mutable std::array<double, kPhases> phase_seconds_{};  // written by run() when profiling_
+  mutable SharedX shared_x_;  // run()'s, from kSharedNormRows rows on (w8a8)
   at::Tensor final_norm_, cos_, sin_;
   std::vector<at::Tensor> k_caches_, v_caches_;
   std::vector<at::Tensor> k_scales_, v_scales_;  // int8 caches only (set_kv_scales)

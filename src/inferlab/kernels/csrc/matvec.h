@@ -905,6 +905,19 @@ inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int
   }
 }
 
+// The AVX2 variant's tile copy of x (interleave_x_i8) and the calls that make and read it, so
+// that decoder_step.cpp shares one x per phase alike on both: here the tiles read xq and sx as
+// they are, and there is nothing to copy.
+struct TiledX {};
+inline void size_tiled_x(int64_t /*M*/, int64_t /*ldx*/, TiledX& /*out*/) {}
+inline void interleave_x_i8(const uint8_t* /*xq*/, const float* /*sx*/, int64_t /*M*/, int64_t /*ldx*/,
+                            TiledX& /*out*/, int64_t /*t0*/, int64_t /*t1*/) {}
+inline void panel_products_i8_tiled(const uint8_t* xq, const float* sx, const TiledX& /*tx*/, int64_t M, int64_t K,
+                                    const int8_t* panels, const int32_t* corr, int64_t r0, int64_t rows,
+                                    const float* scale, const float* bias, float* y, int64_t ldy) {
+  panel_products_i8(xq, sx, M, K, panels, corr, r0, rows, scale, bias, y, ldy, /*cold=*/true);
+}
+
 #else
 // -- the AVX2 variant: the same panels by vpmaddubsw, x in 7 bits per 16 values --
 // Without VNNI the integer dot product is vpmaddubsw (unsigned x signed bytes, 32 products into
@@ -1051,18 +1064,26 @@ struct TiledX {
 // m = 0). m_g and e come back exactly from s_g: the block's largest s is m 2^e with m in
 // [128, 255], so e = its frexp exponent - 8. Why a copy: a tile's broadcasts then come from one
 // pointer; per tile and group: the 4 rows' 16 codes, a 4 x 4 transpose of their quads, a vpsadbw a row.
-inline void interleave_x_i8(const uint8_t* xq, const float* sx, int64_t M, int64_t ldx, TiledX& out) {
-  static_assert(kPanelRowsXI8 == 4 && kI8ScaleGroup == 16, "a group is 4 quads of 4 rows: one 4 x 4 transpose");
-  alignas(16) static const uint8_t kNoRow[kI8ScaleGroup] = {128, 128, 128, 128, 128, 128, 128, 128,
-                                                            128, 128, 128, 128, 128, 128, 128, 128};
+// Grows `out` to hold M rows of stride ldx (before threads fill its tiles: see the overload below).
+inline void size_tiled_x(int64_t M, int64_t ldx, TiledX& out) {
   const int64_t groups = ldx / kI8ScaleGroup, blocks = (groups + kI8BlockGroups - 1) / kI8BlockGroups;
-  const int64_t tiles = (M + kPanelRowsXI8 - 1) / kPanelRowsXI8, rows = tiles * kPanelRowsXI8;
+  const int64_t rows = (M + kPanelRowsXI8 - 1) / kPanelRowsXI8 * kPanelRowsXI8;
   out.codes.resize(std::max<size_t>(out.codes.size(), rows * ldx));
   out.mul.resize(std::max<size_t>(out.mul.size(), rows * groups));
   out.pow2.resize(std::max<size_t>(out.pow2.size(), rows * blocks));
   out.corr.resize(std::max<size_t>(out.corr.size(), rows));
+}
+
+// The row tiles [t0, t1) of M rows into `out`, already sized (size_tiled_x): a tile reads only
+// its own 4 rows of xq and sx, so threads can share one TiledX out, a range of tiles each.
+inline void interleave_x_i8(const uint8_t* xq, const float* sx, int64_t M, int64_t ldx, TiledX& out, int64_t t0,
+                            int64_t t1) {
+  static_assert(kPanelRowsXI8 == 4 && kI8ScaleGroup == 16, "a group is 4 quads of 4 rows: one 4 x 4 transpose");
+  alignas(16) static const uint8_t kNoRow[kI8ScaleGroup] = {128, 128, 128, 128, 128, 128, 128, 128,
+                                                            128, 128, 128, 128, 128, 128, 128, 128};
+  const int64_t groups = ldx / kI8ScaleGroup, blocks = (groups + kI8BlockGroups - 1) / kI8BlockGroups;
   const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80)), zero = _mm_setzero_si128();
-  for (int64_t t = 0; t < tiles; ++t) {
+  for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* row[kPanelRowsXI8];
     const float* srow[kPanelRowsXI8];
     int64_t step[kPanelRowsXI8];
@@ -1107,6 +1128,12 @@ inline void interleave_x_i8(const uint8_t* xq, const float* sx, int64_t M, int64
     }
     for (int r = 0; r < kPanelRowsXI8; ++r) out.corr[t * kPanelRowsXI8 + r] = corr[r];
   }
+}
+
+// All of x's row tiles, `out` grown to fit.
+inline void interleave_x_i8(const uint8_t* xq, const float* sx, int64_t M, int64_t ldx, TiledX& out) {
+  size_tiled_x(M, ldx, out);
+  interleave_x_i8(xq, sx, M, ldx, out, 0, (M + kPanelRowsXI8 - 1) / kPanelRowsXI8);
 }
 
 // y[i * ldy + c] = (sum_g dot_g(q row i, column c) * s_g + corr_i) * scale[c] + bias[c] for c <
@@ -1186,26 +1213,16 @@ inline void panel_tile_i8(const int8_t* xt, const int32_t* mul, const float* p2,
   }
 }
 
-// The AVX-512 variant's panel_products_i8 (the same arguments; `corr` and `cold` unused, sx
-// [M, i8_scale_groups(K)]). x is made into a TiledX (interleave_x_i8) once per call, or, given
-// x_epoch (next_x_epoch: one id per quantization of the codes), once per thread: the next calls
-// with the same codes, epoch and rows reuse the copy. Each panel whole (the next one prefetched
-// meanwhile), every row tile over it before the next, so a panel is read from memory once (by the
-// first row tile) and from L1 (9-24 KiB at SmolLM2's K) by the others.
-inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int64_t K, const int8_t* panels,
-                              const int32_t* /*corr*/, int64_t r0, int64_t rows, const float* scale,
-                              const float* bias, float* y, int64_t ldy, bool /*cold*/, uint64_t x_epoch = 0) {
+// panel_products_i8 (below) from x's tiles made already (interleave_x_i8), which every thread of
+// a phase may share (decoder_step.cpp); xq, sx and corr: the AVX-512 variant's. Each panel whole
+// (the next one prefetched meanwhile), every row tile over it before the next, so a panel is read
+// from memory once (by the first row tile) and from L1 (9-24 KiB at SmolLM2's K) by the others.
+inline void panel_products_i8_tiled(const uint8_t* /*xq*/, const float* /*sx*/, const TiledX& tx, int64_t M,
+                                    int64_t K, const int8_t* panels, const int32_t* /*corr*/, int64_t r0,
+                                    int64_t rows, const float* scale, const float* bias, float* y, int64_t ldy) {
   const int64_t ldx = i8_groups(K) * kI8Group, ls = ldx / kI8ScaleGroup;
   const int64_t blocks = (ls + kI8BlockGroups - 1) / kI8BlockGroups;
   const int64_t tiles = (M + kPanelRowsXI8 - 1) / kPanelRowsXI8;
-  thread_local TiledX tx;  // per thread, grown once
-  thread_local const uint8_t* made_from = nullptr;  // the codes tx holds: these, at this epoch
-  thread_local int64_t made_m = 0;
-  thread_local uint64_t made_epoch = 0;
-  if (x_epoch == 0 || x_epoch != made_epoch || xq != made_from || M != made_m) {
-    interleave_x_i8(xq, sx, M, ldx, tx);
-    made_from = xq, made_m = M, made_epoch = x_epoch;
-  }
   const int64_t np = (rows + kPanel - 1) / kPanel;
   for (int64_t j = 0; j < np; ++j) {
     const int64_t c0 = j * kPanel, col = r0 + c0;  // this panel's first column
@@ -1236,6 +1253,24 @@ inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int
                            tx.corr.data() + m, ls, wp, scale + col, bs, cols, y + m * ldy + c0, ldy);
     });
   }
+}
+
+// The AVX-512 variant's panel_products_i8 (the same arguments; `corr` and `cold` unused, sx
+// [M, i8_scale_groups(K)]). x is made into a TiledX (interleave_x_i8) once per call, or, given
+// x_epoch (next_x_epoch: one id per quantization of the codes), once per thread: the next calls
+// with the same codes, epoch and rows reuse the copy.
+inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int64_t K, const int8_t* panels,
+                              const int32_t* corr, int64_t r0, int64_t rows, const float* scale,
+                              const float* bias, float* y, int64_t ldy, bool /*cold*/, uint64_t x_epoch = 0) {
+  thread_local TiledX tx;  // per thread, grown once
+  thread_local const uint8_t* made_from = nullptr;  // the codes tx holds: these, at this epoch
+  thread_local int64_t made_m = 0;
+  thread_local uint64_t made_epoch = 0;
+  if (x_epoch == 0 || x_epoch != made_epoch || xq != made_from || M != made_m) {
+    interleave_x_i8(xq, sx, M, i8_groups(K) * kI8Group, tx);
+    made_from = xq, made_m = M, made_epoch = x_epoch;
+  }
+  panel_products_i8_tiled(xq, sx, tx, M, K, panels, corr, r0, rows, scale, bias, y, ldy);
 }
 #endif  // __AVX512VNNI__
 
