@@ -914,7 +914,8 @@ inline void interleave_x_i8(const uint8_t* /*xq*/, const float* /*sx*/, int64_t 
                             TiledX& /*out*/, int64_t /*t0*/, int64_t /*t1*/) {}
 inline void panel_products_i8_tiled(const uint8_t* xq, const float* sx, const TiledX& /*tx*/, int64_t M, int64_t K,
                                     const int8_t* panels, const int32_t* corr, int64_t r0, int64_t rows,
-                                    const float* scale, const float* bias, float* y, int64_t ldy) {
+                                    const float* scale, const float* bias, float* y, int64_t ldy,
+                                    const int8_t* /*after*/ = nullptr) {
   panel_products_i8(xq, sx, M, K, panels, corr, r0, rows, scale, bias, y, ldy, /*cold=*/true);
 }
 
@@ -1262,9 +1263,12 @@ inline void panel_tile_i8(const int8_t* xt, const int32_t* mul, const float* p2,
 // a phase may share (decoder_step.cpp); xq, sx and corr: the AVX-512 variant's. Each panel whole
 // (the next one prefetched meanwhile), every row tile over it before the next, so a panel is read
 // from memory once (by the first row tile) and from L1 (9-24 KiB at SmolLM2's K) by the others.
+// after (or null): the panel this thread likely multiplies next (decoder_step.cpp's next task), whose
+// lines the last panel's row tiles fetch as they fetch a next panel of this call.
 inline void panel_products_i8_tiled(const uint8_t* /*xq*/, const float* /*sx*/, const TiledX& tx, int64_t M,
                                     int64_t K, const int8_t* panels, const int32_t* /*corr*/, int64_t r0,
-                                    int64_t rows, const float* scale, const float* bias, float* y, int64_t ldy) {
+                                    int64_t rows, const float* scale, const float* bias, float* y, int64_t ldy,
+                                    const int8_t* after = nullptr) {
   const int64_t ldx = i8_groups(K) * kI8Group, ls = ldx / kI8ScaleGroup;
   const int64_t blocks = (ls + kI8BlockGroups - 1) / kI8BlockGroups;
   const int64_t tiles = (M + kPanelRowsXI8 - 1) / kPanelRowsXI8;
@@ -1287,9 +1291,9 @@ inline void panel_products_i8_tiled(const uint8_t* /*xq*/, const float* /*sx*/, 
     // waits on L2, not memory. Measured with the default model's w8a8 (in-process A/B rounds
     // alternated): decode at 32 streams 0.977x, 0.946x the step (6 of 8, 7 of 8 rounds faster),
     // 8 prompts of 256 tokens 0.983x (4 of 6); two panels ahead 0.986x; into L1 0.980x.
-    const int64_t next_lines = j + 1 < np ? kPanel * ldx / 64 : 0;
+    const int64_t next_lines = j + 1 < np || after ? kPanel * ldx / 64 : 0;
     const int64_t lines_per_tile = (next_lines + tiles - 1) / tiles;
-    const char* next_panel = reinterpret_cast<const char*>(wp + kPanel * ldx);
+    const char* next_panel = reinterpret_cast<const char*>(j + 1 < np ? wp + kPanel * ldx : after);
     for_row_tiles<kPanelRowsXI8>(M, [&](auto mb_tag, int64_t m) {
       constexpr int MB = decltype(mb_tag)::value;
       const int64_t l0 = m / kPanelRowsXI8 * lines_per_tile, l1 = std::min(next_lines, l0 + lines_per_tile);
