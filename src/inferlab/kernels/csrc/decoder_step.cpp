@@ -78,6 +78,7 @@ constexpr int64_t kColAlign = 16;  // task widths are multiples of 16 columns: w
 constexpr int64_t kTensorsPerLayer = 13;
 constexpr int64_t kSharedNormRows = 4;  // from this many rows on, a norm is split (and ends in a barrier)
 constexpr int64_t kAheadBytes = 16384;   // a coming phase's weights fetched per thread (prefetch_run)
+constexpr int64_t kTaskAhead = 16;       // positions of the next attention task fetched during this one
 
 // A product phase's units of work (16 or 48 output columns, or whole heads), shared out.
 // Up to kPanelRowsX rows (one row tile: a decode step of a few streams, bound by the weight
@@ -657,6 +658,8 @@ class DecoderStep : public torch::CustomClassHolder {
     for (int64_t i = 0; i < m; ++i) max_len = std::max<int64_t>(max_len, lens[i]);
     const int64_t vstride = inferlab_attention::visit_len(std::min(max_len, inferlab_attention::kPartition));
     const std::unique_ptr<int64_t[]> visit(new int64_t[parts.pairs() * vstride]);
+    const std::unique_ptr<std::atomic<int64_t>[]> attn_next(new std::atomic<int64_t>[layers_.size()]);
+    for (size_t l = 0; l < layers_.size(); ++l) attn_next[l].store(0, std::memory_order_relaxed);
     constexpr int64_t kShared = 4;  // product phases a layer: qkv, o, gate/up, down
     const std::unique_ptr<Run[]> shares(new Run[layers_.size() * kShared * nt]);
     for (size_t l = 0; l < layers_.size(); ++l) {
@@ -741,8 +744,24 @@ class DecoderStep : public torch::CustomClassHolder {
 #pragma omp barrier
 
         clock.mark(kAttention);
-#pragma omp for schedule(dynamic, 1) nowait
-        for (int64_t task = 0; task < parts.pairs() * kvh; ++task) {
+        // Tasks taken first come, first served; each thread claims its next task as it starts one
+        // and fetches that task's first kTaskAhead positions' K and V rows meanwhile: a task's own
+        // prefetch (attention.h prefetch_keys) runs 16 positions ahead from its first on, so its
+        // first rows were read cold. The default model's w8a8 decode at 32 streams, Zen 3, in-process
+        // A/B: the step 0.975x (8 of 10 rounds faster), the attention phase 10.64 -> 9.86 ms (8 rounds).
+        const int64_t attn_tasks = parts.pairs() * kvh;
+        std::atomic<int64_t>& next_task = attn_next[l];
+        for (int64_t task = next_task.fetch_add(1, std::memory_order_relaxed), after; task < attn_tasks; task = after) {
+          after = next_task.fetch_add(1, std::memory_order_relaxed);
+          if (after < attn_tasks) {
+            const int64_t au = after / kvh, akh = after % kvh;
+            const int64_t* av = visit.get() + au * vstride;
+            const int64_t n = std::min<int64_t>(kTaskAhead, parts.task(au, akh).len);
+            for (int64_t j = 0; j < n; ++j) {
+              inferlab_attention::prefetch_row(kc + akh * num_slots * d + av[j], d);
+              inferlab_attention::prefetch_row(vc + akh * num_slots * d + av[j], d);
+            }
+          }
           const int64_t u = task / kvh, kh = task % kvh;
           const inferlab_attention::Partitions::Task t = parts.task(u, kh);
           const int64_t off = (t.seq * h + kh * g) * d;
