@@ -1191,9 +1191,11 @@ inline void panel_tile_i8(const int8_t* xt, const int32_t* mul, const float* p2,
       // The whole tile (every decode step from 4 rows on): a group per asm block, its 8 sums and
       // the 4 rows' m_g in registers (16 with the 2 weight halves, the broadcast and a product).
       // As intrinsics gcc kept the sums (an array, pinned as below) on the stack, a load and a
-      // store around every vpaddd (`objdump`). One thread, 200-2,000 alternated calls, best of 8:
-      // 32 x 576 x 576 (in L2) even, 32 x 3072 x 576 (L3) 1.06x the rate, 32 x 49152 x 576
-      // (memory) 1.16x, 32 x 576 x 1536 1.04x, 512 x 3072 x 576 1.02x.
+      // store around every vpaddd (`objdump`). One thread, 10-1,500 calls a run, 8 alternated runs,
+      // best against best: 32 x 576 x 576 (in L2) 1.054x the rate, 32 x 3072 x 576 (L3) 1.055x,
+      // 32 x 576 x 1536 1.048x, 32 x 49152 x 576 (from memory: the lm_head) 1.196x, 512 x 3072 x
+      // 576 1.050x, 7 rows 1.077x. (The multipliers as vpmaddwd's memory operand instead, freeing
+      // 4 registers: gcc still spilled the sums, 0.86x in L2.)
       __m256i s00 = s[0][0], s01 = s00, s10 = s00, s11 = s00, s20 = s00, s21 = s00, s30 = s00, s31 = s00;
       for (int64_t g = g0; g < g1; ++g, w += kGroupBytes, xt += kI8ScaleGroup * kPanelRowsXI8, mul += kPanelRowsXI8) {
         const __m256i m0 = _mm256_set1_epi32(mul[0]), m1 = _mm256_set1_epi32(mul[1]);
@@ -1304,8 +1306,8 @@ inline void panel_products_i8_tiled(const uint8_t* /*xq*/, const float* /*sx*/, 
   }
 }
 
-// The AVX-512 variant's panel_products_i8 (the same arguments; `corr` and `cold` unused, sx
-// [M, i8_scale_groups(K)]). x is made into a TiledX (interleave_x_i8) once per call, or, given
+// panel_products_i8 with the AVX-512 variant's arguments (`corr` and `cold` unused, sx [M,
+// i8_scale_groups(K)]). x is made into a TiledX (interleave_x_i8) once per call, or, given
 // x_epoch (next_x_epoch: one id per quantization of the codes), once per thread: the next calls
 // with the same codes, epoch and rows reuse the copy.
 inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int64_t K, const int8_t* panels,
