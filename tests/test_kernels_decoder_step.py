@@ -51,13 +51,16 @@ def _generate(path, monkeypatch, use_step: bool, weight_dtype: str, n_prompts: i
 
 
 W8A8 = pytest.param("w8a8", 5, marks=needs_int8_dot)
+# 13 rows: x made once a phase by every thread (decoder_step.cpp SharedX), 4 tiles, the last of one row
+W8A8_MANY = pytest.param("w8a8", 13, marks=needs_int8_dot)
 
 
 # 1 and 2 rows: the norm computed by every thread, x rows read in registers; 7: the shared norm,
 # weight blocks converted to float32 first; 40: many 3-row micro-kernel tiles and a remainder;
 # w8a8 at 5: the 5 rows at once over each panel (avx512), a 4-row tile and a 1-row one (avx2).
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("weight_dtype,n_prompts", [("float32", 1), ("float16", 2), ("int8", 7), ("bfloat16", 40), W8A8])
+@pytest.mark.parametrize("weight_dtype,n_prompts",
+                         [("float32", 1), ("float16", 2), ("int8", 7), ("bfloat16", 40), W8A8, W8A8_MANY])
 def test_decode_step_gives_the_per_operator_tokens_and_logprobs(models, monkeypatch, arch, weight_dtype, n_prompts):
     step = _generate(models[arch], monkeypatch, True, weight_dtype, n_prompts)
     ops = _generate(models[arch], monkeypatch, False, weight_dtype, n_prompts)
