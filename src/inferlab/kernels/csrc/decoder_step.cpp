@@ -588,12 +588,11 @@ class DecoderStep : public torch::CustomClassHolder {
   // step 0.963x (8 of 10 rounds faster); 4 KiB 1.03x of 16's time, 32 KiB 1.05x, 64 KiB 1.04x. At
   // 8 rows 1.03x (2 of 6), float16 weights at one row even: those go without.
   static void prefetch_run(const Linear& lin, const Run* runs, int64_t tid, int64_t cols) {
-    const int64_t bytes = kAheadBytes;
     const int64_t lo = static_cast<int64_t>(runs[tid].v.load(std::memory_order_relaxed) >> 32);
     if (lo * cols >= lin.n) return;
     int64_t left = 0;
     const char* p = weights_at(lin, lo * cols, left);
-    for (int64_t b = 0; b < std::min(bytes, left); b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+    for (int64_t b = 0; b < std::min(kAheadBytes, left); b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
   }
 
   // Columns per task when n columns are shared by nt threads.
