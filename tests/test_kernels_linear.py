@@ -270,6 +270,13 @@ def test_panel_rows_gathers_rows_exactly_from_either_panel_layout(shape):
     q, _ = quantize_int8(_weight(n, k))
     xor = build.kernel_info().int8_panel_xor  # the codes as this variant's w8a8 panels hold them
     assert torch.equal(torch.ops.inferlab.panel_rows(pack_panels_i8(q, xor), ids, k), q[ids].float())
+    scale = torch.rand(n) + 0.01  # the codes' per-row scales, multiplied in as the per-call path does
+    assert torch.equal(torch.ops.inferlab.panel_rows(pack_panels_i8(q, xor), ids, k, scale),
+                       q[ids].float() * scale.index_select(0, ids)[:, None])
+    with pytest.raises(RuntimeError, match="scales for panels"):
+        torch.ops.inferlab.panel_rows(pack_panels_i8(q, xor), ids, k, torch.ones(-(-n // 16) * 16 + 1))
+    with pytest.raises(IndexError, match="outside"):  # row n is the last panel's padding (no n here is a multiple of 16)
+        torch.ops.inferlab.panel_rows(pack_panels_i8(q, xor), torch.tensor([n]), k, scale)
     assert torch.ops.inferlab.panel_rows(pack_panels(w), ids[:0], k).shape == (0, k)
     with pytest.raises(IndexError, match="outside"):
         torch.ops.inferlab.panel_rows(pack_panels(w), torch.tensor([-(-n // 16) * 16]), k)

@@ -116,3 +116,22 @@ def test_the_sampler_gives_the_same_tokens_through_the_kernel():
         same += sum(x == y for x, y in zip(a, b))
         total += len(a)
     assert same >= total - 1  # float32 sums in another order may move one draw across a boundary
+
+
+def test_one_sampler_follows_its_rows_when_their_parameters_change():
+    """Sampler keeps the kernel's per-row parameter tensors while the rows' values stay the same
+    (a decode batch's requests): the same Sampler over a run of batches whose rows change kind,
+    count or one field gives each batch the tokens a fresh Sampler gives it."""
+    g = torch.Generator().manual_seed(5)
+    kinds = [dict(temperature=0.0), dict(temperature=2.0), dict(temperature=2.0, top_k=2), dict(temperature=2.0, top_p=0.3),
+             dict(temperature=2.0, min_p=0.5)]
+    kept = Sampler(seed=0, fused=True)
+    moved = 0
+    for step, (kind, n) in enumerate([(0, 6), (1, 6), (1, 6), (2, 6), (3, 6), (4, 6), (0, 6), (1, 5), (1, 7), (0, 7)]):
+        rows = [ScheduledRequest(str(i), [1], 0, [0], True, SamplingParams(seed=100 * step + i, **kinds[kind]), [1, 2],
+                                 []) for i in range(n)]
+        logits = torch.randn(n, 50, generator=g)
+        got = kept(logits.clone(), rows).token_ids
+        assert got == Sampler(seed=0, fused=True)(logits.clone(), rows).token_ids
+        moved += got != logits.argmax(dim=-1).tolist()
+    assert moved >= 4  # the hot rows drew tokens other than the argmax: a stale greedy setting would show

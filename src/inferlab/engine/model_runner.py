@@ -120,8 +120,9 @@ class ModelRunner:
         ordered = decodes + prefills
         input_ids, positions, meta, sample_index = self._prepare(decodes, prefills)
         if self.device.type != "cpu":  # the batch is built on the host, then copied over once
-            input_ids, positions, sample_index = (t.to(self.device, non_blocking=True)
-                                                  for t in (input_ids, positions, sample_index))
+            input_ids, positions = (t.to(self.device, non_blocking=True) for t in (input_ids, positions))
+            if sample_index is not None:
+                sample_index = sample_index.to(self.device, non_blocking=True)
             meta = meta_to(meta, self.device)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
         prompt_lps = prompt_rows = None
@@ -130,7 +131,7 @@ class ModelRunner:
         sampled_rows = [s for s in ordered if s.sample]
         if not sampled_rows:
             return ModelRunnerOutput([], [], None, time.perf_counter() - t0, prompt_lps, prompt_rows or None)
-        logits = self.model.compute_logits(hidden.index_select(0, sample_index))
+        logits = self.model.compute_logits(hidden if sample_index is None else hidden.index_select(0, sample_index))
         if self.device.type != "cpu":
             logits = logits.cpu()  # the sampler (penalties, seeds, logprobs) runs on the host
         spec = any(s.num_draft_tokens for s in sampled_rows)
@@ -237,7 +238,9 @@ class ModelRunner:
 
     def _prepare(
         self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None]:
+        """The flat batch's token ids, positions and attention metadata, and the rows whose last
+        position samples: None when every row does (a decode-only step: no gather to pay for)."""
         bs = self.block_size
         if any(s.num_draft_tokens for s in decodes):  # drafts: one decode row per position
             pairs = [(s, j) for s in decodes for j in range(len(s.token_ids))]
@@ -274,6 +277,8 @@ class ModelRunner:
             off += len(s.token_ids)
             if s.sample:
                 sample_index.append(off - 1)
+        if len(sample_index) == len(ids):  # every row, in order (the indices ascend)
+            return input_ids, positions, meta, None
         return input_ids, positions, meta, torch.tensor(sample_index, dtype=torch.long)
 
     def _prefill_batch(self, prefills: list[ScheduledRequest], row: int) -> PrefillBatch:

@@ -48,8 +48,9 @@
 //       what this build's w8a8 does, for kernels/build.py to check against what it reports:
 //       [x values per scale, x's largest code, the panels' xor on the codes (0 or 128), values
 //       sharing a power of two in the scales (0: float32 scales; matvec.h kI8ScaleBlock)].
-//   panel_rows(Tensor panels, Tensor ids, int k) -> Tensor
-//       rows `ids` of a matrix in either panel layout, float32 [len(ids), k] (an embedding lookup).
+//   panel_rows(Tensor panels, Tensor ids, int k, Tensor? scale=None) -> Tensor
+//       rows `ids` of a matrix in either panel layout, float32 [len(ids), k] (an embedding lookup),
+//       each times its scale[id] where given (int8 codes' per-row scales: the N real rows).
 // x may have any leading dimensions ([..., K] -> [..., N]).
 
 #include <ATen/ATen.h>
@@ -428,14 +429,20 @@ at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 // operators, 0.15 ms of a ~11 ms one-row decode step and 0.3 ms at 32 rows (Zen 4).
 std::vector<int64_t> w8a8_numerics() { return {kI8ScaleGroup, kI8QMax, kI8PanelXor, kI8ScaleBlock}; }
 
-at::Tensor panel_rows(const at::Tensor& panels, const at::Tensor& ids, int64_t k) {
+at::Tensor panel_rows(const at::Tensor& panels, const at::Tensor& ids, int64_t k,
+                      const std::optional<at::Tensor>& scale) {
   const bool bf16 = panels.scalar_type() == at::kBFloat16, i8 = panels.scalar_type() == at::kChar;
   TORCH_CHECK(panels.dim() == 4 && panels.is_contiguous() && panels.size(2) == kPanel &&
                   ((bf16 && panels.size(3) == 2) || (i8 && panels.size(3) == 4)),
               "inferlab panel_rows: panels must be contiguous bf16 [P, K / 2, 16, 2] or int8 [P, K / 4, 16, 4], got ",
               panels.scalar_type(), " ", panels.sizes());
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "inferlab panel_rows: ids must be an int64 vector");
-  const int64_t steps = panels.size(1), per = panels.size(3), rows = panels.size(0) * kPanel;
+  const int64_t steps = panels.size(1), per = panels.size(3), padded = panels.size(0) * kPanel;
+  // A scale per real row: the rows past them (the last panel's padding) are not rows.
+  const int64_t rows = scale.has_value() ? scale->numel() : padded;
+  TORCH_CHECK(rows <= padded && rows > padded - kPanel, "inferlab panel_rows: ", rows, " scales for panels of ",
+              padded, " rows");
+  const float* sp = vector_or_null(scale, rows, "panel_rows", "scale");
   TORCH_CHECK(k >= 0 && k <= steps * per, "inferlab panel_rows: k = ", k, " is more than the panels hold (",
               steps * per, ")");
   const at::Tensor idc = ids.contiguous();
@@ -451,6 +458,8 @@ at::Tensor panel_rows(const at::Tensor& panels, const at::Tensor& ids, int64_t k
       float* o = op + i * k;
       for (int64_t j = 0, c = 0; c < k; ++j)
         for (int64_t e = 0; e < per && c < k; ++e, ++c) o[c] = value(w[j * kPanel * per + e]);
+      if (sp)  // as the per-call path's r * scale[ids]: one float32 product a value
+        for (int64_t c = 0; c < k; ++c) o[c] *= sp[r];
     }
   };
   if (bf16) gather(panels.data_ptr<at::BFloat16>(), [](at::BFloat16 v) { return static_cast<float>(v); });
@@ -463,7 +472,7 @@ at::Tensor panel_rows(const at::Tensor& panels, const at::Tensor& ids, int64_t k
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(inferlab, m) {
-  m.def("panel_rows(Tensor panels, Tensor ids, int k) -> Tensor");
+  m.def("panel_rows(Tensor panels, Tensor ids, int k, Tensor? scale=None) -> Tensor");
   m.def("linear_w16(Tensor x, Tensor w, Tensor? bias=None, int mkl_min_rows=128) -> Tensor");
   m.def("linear_w8(Tensor x, Tensor w, Tensor scale, Tensor? bias=None, int mkl_min_rows=128) -> Tensor");
   m.def("linear_w4(Tensor x, Tensor codes, Tensor dm, Tensor? bias=None, int mkl_min_rows=128) -> Tensor");
