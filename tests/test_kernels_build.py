@@ -13,12 +13,14 @@ from inferlab.kernels import build
 AVX2 = frozenset({"avx", "avx2", "fma", "f16c"})
 ZEN5 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni", "avx_vnni"}
 SKYLAKE_X = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}  # AVX-512 without BF16 / VNNI
+SAPPHIRE = ZEN5 | {"amx_tile", "amx_bf16", "amx_int8"}  # and AMX
 
 
 @pytest.mark.parametrize("flags,setting,variant", [
     (ZEN5, "", "avx512"), (ZEN5, "1", "avx512"), (ZEN5, "auto", "avx512"), (ZEN5, "avx2", "avx2"),
     (ZEN5, "AVX512", "avx512"), (AVX2, "", "avx2"), (SKYLAKE_X, "", "avx2"), (frozenset({"sse2"}), "", "none"),
-    (ZEN5, "0", "none"), (AVX2, "off", "none"),
+    (ZEN5, "0", "none"), (AVX2, "off", "none"), (SAPPHIRE, "", "amx"), (SAPPHIRE, "avx512", "avx512"),
+    (SAPPHIRE, "amx", "amx"), (SAPPHIRE, "avx2", "avx2"), (SAPPHIRE - {"amx_int8"}, "", "avx512"),
 ])
 def test_the_variant_follows_the_flags_and_the_setting(flags, setting, variant):
     assert build.choose_variant(flags, setting)[0] == variant
@@ -34,6 +36,7 @@ def test_a_variant_below_the_best_says_why():
 @pytest.mark.parametrize("flags,setting,says", [
     (AVX2, "avx512", "this machine has 0, auto, avx2 (avx512 needs avx512_bf16, avx512_vnni, avx512bw"),
     (ZEN5, "sse", "this machine has 0, auto, avx512, avx2"),
+    (ZEN5, "amx", "this machine has 0, auto, avx512, avx2 (amx needs amx_bf16, amx_int8, amx_tile)"),
     (frozenset(), "avx2", "this machine has 0, auto (avx2 needs avx2, f16c, fma)"),
 ])
 def test_a_variant_the_cpu_lacks_is_a_one_line_error_naming_what_it_has(flags, setting, says):
@@ -45,7 +48,32 @@ def test_a_variant_the_cpu_lacks_is_a_one_line_error_naming_what_it_has(flags, s
 def test_each_variant_adds_flags_to_the_avx2_ones():
     assert build._cflags("avx2") == build.CFLAGS  # the AVX2 variant compiles exactly as before
     assert set(build.CFLAGS) < set(build._cflags("avx512")) and "-mavx512bf16" in build._cflags("avx512")
+    assert set(build._cflags("avx512")) < set(build._cflags("amx")) and "-mamx-int8" in build._cflags("amx")
     assert build._cache_dir([], build._cflags("avx2")) != build._cache_dir([], build._cflags("avx512"))
+
+
+def test_amx_is_the_avx512_kernels_with_tiles():
+    amx, avx512 = build.KernelInfo("amx", ()), build.KernelInfo("avx512", ())
+    for prop in ("bf16_dot", "int8_x_group", "int8_x_max", "int8_panel_xor", "int8_scale_block", "int4_dot",
+                 "auto_weight_dtype", "avx512"):
+        assert getattr(amx, prop) == getattr(avx512, prop), prop
+    assert amx.amx and not avx512.amx and amx.int8_dot == "vpdpbusd, tdpbusd" and avx512.int8_dot == "vpdpbusd"
+    assert "AMX tiles" in amx.describe() and "AMX" not in avx512.describe()
+
+
+def test_amx_refused_by_the_os_falls_back_to_avx512_and_says_so(monkeypatch):
+    """Linux grants a process AMX's tile state only when asked (arch_prctl); where it refuses,
+    the AVX-512 variant runs, with the reason in its one line."""
+    monkeypatch.setattr(build, "_state", {})
+    monkeypatch.setattr(build, "cpu_flags", lambda: SAPPHIRE)
+    monkeypatch.setattr(build, "amx_permitted", lambda: False)
+    monkeypatch.setattr(build, "_build", lambda variant, flags, why: build.KernelInfo(variant, flags, why))
+    monkeypatch.delenv("INFERLAB_KERNELS", raising=False)
+    info = build.kernel_info()
+    assert info.variant == "avx512" and "refused" in info.reason and "refused" in info.describe()
+    monkeypatch.setattr(build, "_state", {})
+    monkeypatch.setattr(build, "amx_permitted", lambda: True)
+    assert build.kernel_info().variant == "amx" and build.kernel_info().reason == ""
 
 
 def test_this_process_loaded_what_its_cpu_and_setting_choose(monkeypatch):

@@ -21,7 +21,7 @@ from inferlab.models.precision import ResolvedPrecision, cpu_has_native_bf16, dt
 from inferlab.models.testing import make_tiny_hf_model, tiny_model_config
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-VARIANTS = ("avx512", "avx2", "none")
+VARIANTS = ("amx", "avx512", "avx2", "none")
 _T = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -75,8 +75,8 @@ def test_every_combination_resolves_as_before(variant):
         assert got == want, (dtype, wd, kd, variant, native)
         assert p.kernel is kernel and p.device == "cpu"
         # prefill attention in bf16 beside bf16 products and beside w8a8 (its x is int8 already),
-        # where vdpbf16ps is: the avx512 variant running our kernels
-        assert p.bf16_attention == (p.uses_kernels and variant == "avx512" and (p.bf16_products or wd == "w8a8"))
+        # where vdpbf16ps is: the avx512 (or amx) variant running our kernels
+        assert p.bf16_attention == (p.uses_kernels and variant in ("amx", "avx512") and (p.bf16_products or wd == "w8a8"))
         # and our flash attention in float32 wherever else our kernels run the model
         assert p.prefill_attention == ("bfloat16" if p.bf16_attention else "float32" if p.uses_kernels else "torch")
         assert p.products == ("int8" if wd == "w8a8" else "bfloat16" if p.bf16_products else dtype_name(p.compute))

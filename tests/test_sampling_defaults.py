@@ -282,7 +282,7 @@ def test_props_on_the_tiny_engine(tiny_dir):
         p = httpx.get(srv.url("/props")).json()
         assert p["n_ctx"] == 512 and p["default_generation_settings"]["params"]["temperature"] == 0.3
         assert p["default_generation_settings"]["params"]["top_k"] == 7
-        assert p["precision"]["compute"] == "float32" and p["kernels"]["variant"] in ("avx512", "avx2", "none")
+        assert p["precision"]["compute"] == "float32" and p["kernels"]["variant"] in ("amx", "avx512", "avx2", "none")
         assert p["model_path"] == str(tiny_dir) and p["chat_template"]
         assert httpx.get(srv.url("/server_info")).json()["sampling_defaults"]["source"]["top_k"] == "generation_config.json"
 

@@ -341,7 +341,7 @@ def test_server_info_reports_the_engines_decisions(srv):
     per_token = kv.pop("bytes_per_token")  # float32 K and V of every layer: 2 x 4 bytes per head_dim value
     assert kv == {"num_blocks": 64, "block_size": 16, "dtype": "float32", "prefix_caching": True}
     assert per_token > 0 and per_token % 8 == 0
-    assert info["kernels"]["variant"] in ("avx512", "avx2", "none") and "cpu_flags" in info["kernels"]
+    assert info["kernels"]["variant"] in ("amx", "avx512", "avx2", "none") and "cpu_flags" in info["kernels"]
     # The engine's one ResolvedPrecision, beside the keys above: the same K/V bytes and kernels.
     assert p["kv_bytes_per_token"] == per_token and p["kernel_variant"] == info["kernels"]["variant"]
     assert (p["weight_mode"], p["products"], p["int8_activations"], p["device"]) == ("float32", "float32", False, "cpu")

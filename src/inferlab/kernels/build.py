@@ -9,13 +9,16 @@ torch's own OpenMP runtime, through `at::parallel_for` or, in decoder_step.cpp, 
 torch's libgomp is the one already loaded; a second OpenMP runtime would fight it for the cores).
 
 One decision per machine, made once from the CPU's flags (/proc/cpuinfo) and frozen in
-`kernel_info()`: the AVX-512 variant (F/BW/VL/DQ + BF16 + VNNI: bf16 weights multiplied with
+`kernel_info()`: the AMX variant (the AVX-512 one's flags and code, and from 16 rows of x its
+panel products by AMX tiles, tdpbf16ps and tdpbusd: csrc/amx.h) where the CPU has AMX-TILE,
+AMX-BF16 and AMX-INT8 and Linux grants the process the tile state, else the AVX-512 variant (F/BW/VL/DQ + BF16 + VNNI: bf16 weights multiplied with
 vdpbf16ps, int8 with vpdpbusd) where every one of those flags is there, else the AVX2 variant
 (AVX2 + FMA + F16C; the same flags and code as before the AVX-512 variant existed, w8a8's int8
 x 7-bit x with vpmaddubsw on the same panels), else none
 (plain torch operators). `INFERLAB_KERNELS` overrides it: 0 turns the kernels off, avx2 asks for
 the AVX2 variant on any CPU that has it (A/B runs on an AVX-512 machine), avx512 for the
-AVX-512 one; a variant the CPU lacks, or an unknown value, is a one-line error.
+AVX-512 one (A/B runs on an AMX machine), amx for the AMX one; a variant the CPU lacks, or an
+unknown value, is a one-line error.
 
 The build (~35 s on 2 cores, once per variant) lands in ~/.cache/inferlab/kernels/<hash of
 sources, flags, torch version> ($INFERLAB_CACHE/kernels/... when set, see cache_paths.py), so a
@@ -46,11 +49,17 @@ CSRC = Path(__file__).parent / "csrc"
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++17"]  # the AVX2 variant's
 # What each variant needs from the CPU (/proc/cpuinfo's names) and adds to CFLAGS. The AVX-512
 # one wants BF16 and VNNI too: without them (Skylake-X) it would gain little over AVX2 here.
-VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "avx512": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"),
-               ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni")),
+_AVX512 = (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"),
+           ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni"))
+VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # best first
+    "amx": (_AVX512[0] + ("amx_tile", "amx_bf16", "amx_int8"), _AVX512[1] + ("-mamx-tile", "-mamx-bf16", "-mamx-int8")),
+    "avx512": _AVX512,
     "avx2": (("avx2", "fma", "f16c"), ()),
 }
+AMX_FLAGS = frozenset({"amx_tile", "amx_bf16", "amx_int8"})
+# Linux hands a process AMX's 8 KiB of tile state only when asked (arch_prctl): x86's
+# ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA.
+_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
 _OFF = ("0", "false", "no", "off")
 _AUTO = ("", "1", "true", "yes", "on", "auto")
 _lock = threading.Lock()
@@ -61,11 +70,12 @@ _state: dict[str, object] = {}  # "info": KernelInfo once load() has run
 class KernelInfo:
     """What this process multiplies with, decided once (`kernel_info()`); the server reports it.
 
-    variant: "avx512", "avx2" or "none" (plain torch). reason: why "none" (or why not the best
-    variant), empty otherwise. bf16_dot: the decode kernels multiply bf16 weights with
-    vdpbf16ps (activations rounded to bf16 per row, float32 sums). int8_dot: the integer dot
-    product that int8 weights with int8 activations (weight_dtype w8a8) run on, codes in panels,
-    "vpdpbusd" (VNNI) or "vpmaddubsw" (AVX2), or "" (no kernels: no w8a8); int8_x_group and
+    variant: "amx", "avx512", "avx2" or "none" (plain torch). reason: why "none" (or why not the
+    best variant), empty otherwise. bf16_dot: the decode kernels multiply bf16 weights with
+    vdpbf16ps (activations rounded to bf16 per row, float32 sums; on amx from 16 rows tdpbf16ps).
+    int8_dot: the integer dot product that int8 weights with int8 activations (weight_dtype w8a8)
+    run on, codes in panels, "vpdpbusd" (VNNI; "vpdpbusd, tdpbusd" on amx) or "vpmaddubsw"
+    (AVX2), or "" (no kernels: no w8a8); int8_x_group and
     int8_x_max: how w8a8 quantizes x (values per scale, largest code: 64 and 127 on AVX-512, 16
     and 63 on AVX2, whose vpmaddubsw holds 7-bit x exactly; csrc/matvec.h), and int8_panel_xor
     what the panels hold (128: the codes' sign bit flipped, u = w + 128, vpmaddubsw's unsigned
@@ -87,20 +97,29 @@ class KernelInfo:
         return self.variant != "none"
 
     @property
+    def avx512(self) -> bool:
+        """The AVX-512 kernels (the amx variant is them, with tile products from 16 rows)."""
+        return self.variant in ("amx", "avx512")
+
+    @property
+    def amx(self) -> bool:
+        return self.variant == "amx"
+
+    @property
     def bf16_dot(self) -> bool:
-        return self.variant == "avx512"
+        return self.avx512
 
     @property
     def int8_dot(self) -> str:
-        return {"avx512": "vpdpbusd", "avx2": "vpmaddubsw"}.get(self.variant, "")
+        return {"amx": "vpdpbusd, tdpbusd", "avx512": "vpdpbusd", "avx2": "vpmaddubsw"}.get(self.variant, "")
 
     @property
     def int8_x_group(self) -> int:
-        return {"avx512": 64, "avx2": 16}.get(self.variant, 0)
+        return 64 if self.avx512 else 16 if self.variant == "avx2" else 0
 
     @property
     def int8_x_max(self) -> int:
-        return {"avx512": 127, "avx2": 63}.get(self.variant, 0)
+        return 127 if self.avx512 else 63 if self.variant == "avx2" else 0
 
     @property
     def int8_panel_xor(self) -> int:
@@ -122,17 +141,18 @@ class KernelInfo:
 
     @property
     def int4_dot(self) -> str:
-        return {"avx512": "vpdpbusd", "avx2": "vpmaddubsw"}.get(self.variant, "")
+        return "vpdpbusd" if self.avx512 else "vpmaddubsw" if self.variant == "avx2" else ""
 
     @property
     def auto_weight_dtype(self) -> str:
-        return {"avx512": "bfloat16", "avx2": "float16"}.get(self.variant, "")
+        return "bfloat16" if self.avx512 else "float16" if self.variant == "avx2" else ""
 
     def describe(self) -> str:
         """One line: the variant, its weight path, and why when it is not the CPU's best."""
         if not self.available:
             return f"inferlab CPU kernels: none ({self.reason}); plain torch operators"
-        path = ("bf16 weights in panels by vdpbf16ps, w8a8 in panels by vpdpbusd, at every row count"
+        path = ("bf16 weights in panels by vdpbf16ps, w8a8 in panels by vpdpbusd, "
+                + ("from 16 rows by AMX tiles (tdpbf16ps, tdpbusd)" if self.amx else "at every row count")
                 if self.bf16_dot else
                 "float16 / int8 weights converted in registers, float32 FMA; w8a8 in panels by vpmaddubsw")
         extra = f" ({self.reason})" if self.reason else ""
@@ -141,7 +161,7 @@ class KernelInfo:
     def as_dict(self) -> dict[str, object]:
         """Plain values for a JSON report (the server's, a benchmark's)."""
         d = dataclasses.asdict(self)
-        d.update(available=self.available, bf16_dot=self.bf16_dot, int8_dot=self.int8_dot, int4_dot=self.int4_dot,
+        d.update(available=self.available, amx=self.amx, bf16_dot=self.bf16_dot, int8_dot=self.int8_dot, int4_dot=self.int4_dot,
                  int8_x_group=self.int8_x_group, int8_x_max=self.int8_x_max, int8_panel_xor=self.int8_panel_xor,
                  int8_scale_block=self.int8_scale_block,
                  auto_weight_dtype=self.auto_weight_dtype)
@@ -174,12 +194,26 @@ def choose_variant(flags: frozenset[str], setting: str) -> tuple[str, str]:
             return "none", "this CPU lacks AVX2/FMA/F16C, which the kernels need"
         best = has[0]
         missing = sorted(set(VARIANTS["avx512"][0]) - flags)
-        why = "" if best == "avx512" or "avx512f" not in flags else f"AVX-512 without {', '.join(missing)}"
+        why = f"AVX-512 without {', '.join(missing)}" if best == "avx2" and "avx512f" in flags else ""
         return best, why
     if s in VARIANTS and s in has:
         return s, f"INFERLAB_KERNELS={s}" if s != has[0] else ""
     raise ValueError(f"INFERLAB_KERNELS={setting!r}: this machine has {', '.join(['0', 'auto'] + has)}"
                      + (f" ({s} needs {', '.join(sorted(set(VARIANTS[s][0]) - flags))})" if s in VARIANTS else ""))
+
+
+def amx_permitted() -> bool:
+    """Ask Linux for AMX's tile state for this process (every thread, for its life), as oneDNN
+    does before its own AMX kernels; False where it refuses (an older kernel, another OS)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def _cflags(variant: str) -> list[str]:
@@ -284,7 +318,10 @@ def kernel_info() -> KernelInfo:
         if info is None:
             flags = cpu_flags()
             shown = tuple(f for f in sorted(set().union(*(n for n, _ in VARIANTS.values())) | {"avx_vnni"}) if f in flags)
-            variant, why = choose_variant(flags, os.environ.get("INFERLAB_KERNELS", ""))
+            refused = AMX_FLAGS <= flags and not amx_permitted()
+            variant, why = choose_variant(flags - AMX_FLAGS if refused else flags, os.environ.get("INFERLAB_KERNELS", ""))
+            if refused and variant == "avx512":
+                why = "the CPU has AMX but Linux refused this process its tile state (arch_prctl)"
             info = KernelInfo("none", shown, why) if variant == "none" else _build(variant, shown, why)
             _state["info"] = info
             (log.warning if not info.available else log.info)("%s", info.describe())

@@ -1,0 +1,262 @@
+// AMX tile products (the amx variant: AMX-TILE, AMX-BF16 and AMX-INT8 beside the avx512 variant's
+// flags) on the panels the avx512 kernels multiply: bf16 weights by tdpbf16ps, w8a8's codes by
+// tdpbusd. Included at the end of matvec.h, whose panel_products_bf16 hands every product to
+// these (K a whole number of 32-value tiles) and panel_products_i8 those of more than 8 rows
+// (matvec.h, where the measurements are).
+//
+// Why: one tdpbf16ps is 16 x 16 x 32 products, one tdpbusd 16 x 16 x 64, each in the time of a
+// few dozen vdpbf16ps / vpdpbusd (32 and 64 products each), so a prefill or a many-stream decode
+// step, bound by its arithmetic on the avx512 kernels, becomes bound by its weight reads again;
+// and at one row of x, where one vdpbf16ps chain per panel waits on its own latency, a tile
+// takes 16 columns x 32 k at once. The panel layouts are already AMX's: a panel's 32
+// consecutive k of bf16 (16 pairs x 16 columns x 2) and 64 k of int8 codes (16 quads x 16
+// columns x 4) are each one 1 KiB tile of 16 rows of 64 bytes (the B operand), and up to 16 rows
+// of x's bf16 values or u8 codes at one k offset are the A operand, read in place with x's row
+// stride.
+//
+// Numerics. w8a8: each group's sum of 64 integer products is exact on either unit, started from
+// the group's corrections as the avx512 tiles start it, then converted and scaled by the same
+// float32 instructions in the same order, so a row's outputs are the same bits as the avx512
+// variant's at every row count (tests/test_kernels_amx.py). bf16: tdpbf16ps sums pairs of exact
+// bf16 products into float32 as vdpbf16ps does, but not with the same rounding steps (measured:
+// neither pair order, nor one rounding per pair, reproduces its bits), so its sums differ from
+// the avx512 variant's in the last bits; every row count runs on the tiles, so a row's outputs
+// are still the same bits at every row count (batching changes no token).
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace inferlab_matvec {
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
+#define INFERLAB_AMX 1
+
+// Rows of 64 bytes: C tiles 0-3 (float32 or int32 sums of up to 16 x-rows by one panel's 16
+// columns), A tiles 4-5 (up to 16 rows of x), B tiles 6-7 (one panel's k block, 16 rows).
+// kAmxConfigs[r]: C and A tiles of r rows (r = M below 16 rows of x, else 16).
+struct alignas(64) AmxConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+struct AmxConfigs {
+  AmxConfig c[17];
+  constexpr AmxConfigs() : c{} {
+    for (int r = 1; r <= 16; ++r) {
+      c[r].palette = 1;
+      for (int t = 0; t < 8; ++t) c[r].colsb[t] = 64, c[r].rows[t] = static_cast<uint8_t>(t < 6 ? r : 16);
+    }
+  }
+};
+inline constexpr AmxConfigs kAmxConfigs{};
+
+// Loaded at each product: a thread's tile configuration is its own and oneDNN (torch's GEMMs,
+// on the same pool threads) loads its own. ~100 cycles against a product's thousands.
+inline void amx_configure(int64_t M) { _tile_loadconfig(&kAmxConfigs.c[std::min<int64_t>(M, 16)]); }
+
+// x's rows in tiles of 16 (M rows below 16): the rows as given up to the last whole tile, then
+// from 16 rows on the last M % 16 rows copied into a buffer of 16 rows (the rest zero), so no
+// tile reads past x.
+template <typename T>
+struct AmxRows {
+  const T* x;
+  int64_t ldx, full;
+  const T* tail;
+  AmxRows(const T* x_, int64_t ldx_, int64_t M, std::vector<T>& buf)
+      : x(x_), ldx(ldx_), full(M < 16 ? M : M / 16 * 16) {
+    tail = x + full * ldx;
+    if (full < M) {
+      buf.assign(16 * ldx, T(0));
+      std::memcpy(buf.data(), x + full * ldx, (M - full) * ldx * sizeof(T));
+      tail = buf.data();
+    }
+  }
+  const T* tile(int64_t m) const { return m < full ? x + m * ldx : tail; }  // m: a multiple of 16
+};
+
+// The sums of one block out: 16 x 16 floats per tile (c), valid rows and `cols` columns,
+// * scale + bias (either null: 1 and 0), as the avx512 tiles store theirs.
+template <typename Y>
+inline void amx_store(const float (*c)[16], int valid, int cols, const float* scale, const float* bias, Y* y,
+                      int64_t ldy) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+  const __m512 sv = scale ? _mm512_maskz_loadu_ps(mask, scale) : _mm512_set1_ps(1.0f);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+  for (int i = 0; i < valid; ++i) store16(y + i * ldy, mask, _mm512_fmadd_ps(_mm512_load_ps(c[i]), sv, bv));
+}
+
+// ---- bf16 panels by tdpbf16ps --------------------------------------------------------------
+// MT (1 or 2) row tiles of x (a0, a1: 16 rows each, stride ldx, bf16) by NT (1 or 2) panels from
+// w on (16 * kp values each), over every k: y rows valid0 / valid1 of each row tile, the last
+// panel `last` <= 16 columns.
+template <int MT, int NT, typename Y>
+inline void amx_block_bf16(const uint16_t* a0, const uint16_t* a1, int64_t ldx, const uint16_t* w, int64_t kp,
+                           int valid0, int valid1, int last, const float* scale, const float* bias, Y* y,
+                           int64_t ldy) {
+  const int64_t ps = kPanel * kp, stride = ldx * 2;
+  _tile_zero(0);
+  if constexpr (NT > 1) _tile_zero(1);
+  if constexpr (MT > 1) _tile_zero(2);
+  if constexpr (MT > 1 && NT > 1) _tile_zero(3);
+  for (int64_t k = 0; k < kp; k += 32) {
+    _tile_loadd(6, w + k * kPanel, 64);
+    _tile_loadd(4, a0 + k, stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NT > 1) {
+      _tile_loadd(7, w + ps + k * kPanel, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (MT > 1) {
+      _tile_loadd(5, a1 + k, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NT > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float c[4][16][16];
+  _tile_stored(0, c[0], 64);
+  if constexpr (NT > 1) _tile_stored(1, c[1], 64);
+  if constexpr (MT > 1) _tile_stored(2, c[2], 64);
+  if constexpr (MT > 1 && NT > 1) _tile_stored(3, c[3], 64);
+  for (int t = 0; t < MT; ++t)
+    for (int j = 0; j < NT; ++j)
+      amx_store(c[t * 2 + j], t ? valid1 : valid0, j == NT - 1 ? last : 16, scale ? scale + j * kPanel : nullptr,
+                bias ? bias + j * kPanel : nullptr, y + t * 16 * ldy + j * kPanel, ldy);
+}
+
+// panel_products_bf16's contract (x in bf16, M rows of stride ldx, K rounded up to a multiple
+// of 32 by the caller's check: kp % 32 == 0; w at panel r0 / 16; `rows` columns; scale and
+// bias from column r0 on) by tiles: pairs of panels, each multiplied by every pair of row tiles
+// while it is in cache.
+template <typename Y>
+inline void amx_products_bf16(const uint16_t* xb, int64_t ldx, int64_t M, int64_t kp, const uint16_t* w,
+                              int64_t rows, const float* scale, const float* bias, Y* y, int64_t ldy) {
+  thread_local std::vector<uint16_t> tail_buf;
+  const AmxRows<uint16_t> xr(xb, ldx, M, tail_buf);
+  amx_configure(M);
+  const int64_t np = (rows + kPanel - 1) / kPanel;
+  const int last = static_cast<int>(rows - (np - 1) * kPanel);
+  for (int64_t j = 0; j < np; j += 2) {
+    const bool two = j + 1 < np;
+    const int lj = j + (two ? 2 : 1) == np ? last : 16;
+    const uint16_t* wj = w + j * kPanel * kp;
+    const float* sc = scale ? scale + j * kPanel : nullptr;
+    const float* bs = bias ? bias + j * kPanel : nullptr;
+    for (int64_t m = 0; m < M; m += 32) {
+      const int v0 = static_cast<int>(std::min<int64_t>(16, M - m)), v1 = static_cast<int>(std::min<int64_t>(16, M - m - 16));
+      const uint16_t* a0 = xr.tile(m);
+      Y* yt = y + m * ldy + j * kPanel;
+      if (v1 > 0) {
+        const uint16_t* a1 = xr.tile(m + 16);
+        if (two) amx_block_bf16<2, 2>(a0, a1, ldx, wj, kp, v0, v1, lj, sc, bs, yt, ldy);
+        else amx_block_bf16<2, 1>(a0, a1, ldx, wj, kp, v0, v1, lj, sc, bs, yt, ldy);
+      } else {
+        if (two) amx_block_bf16<1, 2>(a0, a0, ldx, wj, kp, v0, 0, lj, sc, bs, yt, ldy);
+        else amx_block_bf16<1, 1>(a0, a0, ldx, wj, kp, v0, 0, lj, sc, bs, yt, ldy);
+      }
+    }
+  }
+}
+
+// ---- w8a8 panels by tdpbusd ----------------------------------------------------------------
+// MT row tiles of x's u8 codes (a0, a1, stride ldx; their group scales s0, s1, stride ls) by NT
+// panels from w on (16 * groups * 64 bytes each; corrections c from the first panel's on):
+// per group, each C tile starts from the group's corrections (the same 16 sums in every row: a
+// load with row stride 0), takes the group's 64 k in one tdpbusd, and goes out to float32 sums
+// as panel_tile_i8 takes its own: cvt, times the row's scale, added in group order.
+template <int MT, int NT>
+inline void amx_block_i8(const uint8_t* a0, const uint8_t* a1, int64_t ldx, const float* s0, const float* s1,
+                         int64_t ls, int64_t groups, const int8_t* w, const int32_t* corr, int valid0, int valid1,
+                         int last, const float* scale, const float* bias, float* y, int64_t ldy) {
+  const int64_t ps = kPanel * groups * kI8Group;  // bytes per panel
+  alignas(64) float acc[4][16][16];
+  alignas(64) int32_t c[4][16][16];
+  const int valid[2] = {valid0, valid1};
+  const float* sx[2] = {s0, s1};
+  for (int t = 0; t < MT; ++t)
+    for (int j = 0; j < NT; ++j)
+      for (int i = 0; i < valid[t]; ++i) _mm512_store_ps(acc[t * 2 + j][i], _mm512_setzero_ps());
+  for (int64_t g = 0; g < groups; ++g) {
+    const int32_t* c0 = corr + g * kPanel;
+    const int32_t* c1 = corr + (groups + g) * kPanel;
+    _tile_loadd(0, c0, 0);
+    if constexpr (NT > 1) _tile_loadd(1, c1, 0);
+    if constexpr (MT > 1) _tile_loadd(2, c0, 0);
+    if constexpr (MT > 1 && NT > 1) _tile_loadd(3, c1, 0);
+    _tile_loadd(6, w + g * kI8Group * kPanel, 64);
+    _tile_loadd(4, a0 + g * kI8Group, ldx);
+    _tile_dpbusd(0, 4, 6);
+    if constexpr (NT > 1) {
+      _tile_loadd(7, w + ps + g * kI8Group * kPanel, 64);
+      _tile_dpbusd(1, 4, 7);
+    }
+    if constexpr (MT > 1) {
+      _tile_loadd(5, a1 + g * kI8Group, ldx);
+      _tile_dpbusd(2, 5, 6);
+      if constexpr (NT > 1) _tile_dpbusd(3, 5, 7);
+    }
+    _tile_stored(0, c[0], 64);
+    if constexpr (NT > 1) _tile_stored(1, c[1], 64);
+    if constexpr (MT > 1) _tile_stored(2, c[2], 64);
+    if constexpr (MT > 1 && NT > 1) _tile_stored(3, c[3], 64);
+    for (int t = 0; t < MT; ++t)
+      for (int i = 0; i < valid[t]; ++i) {
+        const __m512 sv = _mm512_set1_ps(sx[t][i * ls + g]);
+        for (int j = 0; j < NT; ++j) {
+          float* a = acc[t * 2 + j][i];
+          const __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512(c[t * 2 + j][i]));
+          _mm512_store_ps(a, _mm512_fmadd_ps(s, sv, _mm512_load_ps(a)));
+        }
+      }
+  }
+  for (int t = 0; t < MT; ++t)
+    for (int j = 0; j < NT; ++j)
+      amx_store(acc[t * 2 + j], valid[t], j == NT - 1 ? last : 16, scale + j * kPanel,
+                bias ? bias + j * kPanel : nullptr, y + t * 16 * ldy + j * kPanel, ldy);
+}
+
+// panel_products_i8's contract (xq: M rows of stride groups * 64, sx: their scales, M x groups;
+// w at panel r0 / 16 and its corrections cw; `rows` columns; scale and bias from r0 on).
+inline void amx_products_i8(const uint8_t* xq, const float* sx, int64_t M, int64_t groups, const int8_t* w,
+                            const int32_t* cw, int64_t rows, const float* scale, const float* bias, float* y,
+                            int64_t ldy) {
+  thread_local std::vector<uint8_t> tail_buf;
+  thread_local std::vector<float> tail_sx;
+  const int64_t ldx = groups * kI8Group;
+  const AmxRows<uint8_t> xr(xq, ldx, M, tail_buf);
+  const AmxRows<float> sr(sx, groups, M, tail_sx);
+  amx_configure(M);
+  const int64_t np = (rows + kPanel - 1) / kPanel;
+  const int last = static_cast<int>(rows - (np - 1) * kPanel);
+  for (int64_t j = 0; j < np; j += 2) {
+    const bool two = j + 1 < np;
+    const int lj = j + (two ? 2 : 1) == np ? last : 16;
+    const int8_t* wj = w + j * kPanel * ldx;
+    const int32_t* cj = cw + j * groups * kPanel;
+    const float* sc = scale + j * kPanel;
+    const float* bs = bias ? bias + j * kPanel : nullptr;
+    for (int64_t m = 0; m < M; m += 32) {
+      const int v0 = static_cast<int>(std::min<int64_t>(16, M - m)), v1 = static_cast<int>(std::min<int64_t>(16, M - m - 16));
+      const uint8_t* a0 = xr.tile(m);
+      const float* s0 = sr.tile(m);
+      float* yt = y + m * ldy + j * kPanel;
+      if (v1 > 0) {
+        const uint8_t* a1 = xr.tile(m + 16);
+        const float* s1 = sr.tile(m + 16);
+        if (two) amx_block_i8<2, 2>(a0, a1, ldx, s0, s1, groups, groups, wj, cj, v0, v1, lj, sc, bs, yt, ldy);
+        else amx_block_i8<2, 1>(a0, a1, ldx, s0, s1, groups, groups, wj, cj, v0, v1, lj, sc, bs, yt, ldy);
+      } else {
+        if (two) amx_block_i8<1, 2>(a0, a0, ldx, s0, s0, groups, groups, wj, cj, v0, 0, lj, sc, bs, yt, ldy);
+        else amx_block_i8<1, 1>(a0, a0, ldx, s0, s0, groups, groups, wj, cj, v0, 0, lj, sc, bs, yt, ldy);
+      }
+    }
+  }
+}
+
+#endif  // AMX
+
+}  // namespace inferlab_matvec
