@@ -55,9 +55,30 @@ struct AmxConfigs {
 };
 inline constexpr AmxConfigs kAmxConfigs{};
 
-// Loaded at each product: a thread's tile configuration is its own and oneDNN (torch's GEMMs,
-// on the same pool threads) loads its own. ~100 cycles against a product's thousands.
-inline void amx_configure(int64_t M) { _tile_loadconfig(&kAmxConfigs.c[std::min<int64_t>(M, 16)]); }
+// GCC's _tile_loadd is an asm statement that names no memory: without this, the compiler may
+// leave stores to what a tile then reads (x's rows made just before, the tail copy) after the
+// load. Every product calls it once its operands are written, before its first tile load.
+inline void amx_operands_written() { __asm__ volatile("" ::: "memory"); }
+
+// Loaded at each product, and the configuration the thread had before loaded back after (or the
+// tiles released where it had none): torch's oneDNN micro-kernel keeps its own loaded between
+// calls on the same pool threads and loads it again only when it thinks another kernel ran, so
+// a product of ours must not leave its shapes behind (prefill_attention.cpp also resets torch's
+// belief before each use: without that, its sums came out wrong now and then in a process that
+// had run our products). ~100 cycles each against a product's thousands.
+struct AmxScope {
+  AmxConfig before;
+  explicit AmxScope(int64_t M) {
+    _tile_storeconfig(&before);
+    _tile_loadconfig(&kAmxConfigs.c[std::min<int64_t>(M, 16)]);
+  }
+  ~AmxScope() {
+    if (before.palette) _tile_loadconfig(&before);
+    else _tile_release();
+  }
+  AmxScope(const AmxScope&) = delete;
+  AmxScope& operator=(const AmxScope&) = delete;
+};
 
 // x's rows in tiles of 16 (M rows below 16): the rows as given up to the last whole tile, then
 // from 16 rows on the last M % 16 rows copied into a buffer of 16 rows (the rest zero), so no
@@ -137,7 +158,8 @@ inline void amx_products_bf16(const uint16_t* xb, int64_t ldx, int64_t M, int64_
                               int64_t rows, const float* scale, const float* bias, Y* y, int64_t ldy) {
   thread_local std::vector<uint16_t> tail_buf;
   const AmxRows<uint16_t> xr(xb, ldx, M, tail_buf);
-  amx_configure(M);
+  const AmxScope tiles(M);
+  amx_operands_written();
   const int64_t np = (rows + kPanel - 1) / kPanel;
   const int last = static_cast<int>(rows - (np - 1) * kPanel);
   for (int64_t j = 0; j < np; j += 2) {
@@ -163,60 +185,50 @@ inline void amx_products_bf16(const uint16_t* xb, int64_t ldx, int64_t M, int64_
 }
 
 // ---- w8a8 panels by tdpbusd ----------------------------------------------------------------
-// MT row tiles of x's u8 codes (a0, a1, stride ldx; their group scales s0, s1, stride ls) by NT
-// panels from w on (16 * groups * 64 bytes each; corrections c from the first panel's on):
-// per group, each C tile starts from the group's corrections (the same 16 sums in every row: a
-// load with row stride 0), takes the group's 64 k in one tdpbusd, and goes out to float32 sums
-// as panel_tile_i8 takes its own: cvt, times the row's scale, added in group order.
-template <int MT, int NT>
-inline void amx_block_i8(const uint8_t* a0, const uint8_t* a1, int64_t ldx, const float* s0, const float* s1,
-                         int64_t ls, int64_t groups, const int8_t* w, const int32_t* corr, int valid0, int valid1,
-                         int last, const float* scale, const float* bias, float* y, int64_t ldy) {
-  const int64_t ps = kPanel * groups * kI8Group;  // bytes per panel
-  alignas(64) float acc[4][16][16];
-  alignas(64) int32_t c[4][16][16];
-  const int valid[2] = {valid0, valid1};
-  const float* sx[2] = {s0, s1};
-  for (int t = 0; t < MT; ++t)
-    for (int j = 0; j < NT; ++j)
-      for (int i = 0; i < valid[t]; ++i) _mm512_store_ps(acc[t * 2 + j][i], _mm512_setzero_ps());
+// One row tile (16 rows of codes a, stride ldx; their scales s, stride ls) by one panel (w, its
+// corrections corr), every group: the group's sums go to C tile 0 or 1 by turns, so that the
+// tiles multiply group g + 1 while the vector units take group g's out (converted, times the
+// rows' scales, into 16 float32 sums held in registers: panel_tile_i8's instructions, in its
+// order). Why: with the sums taken out of four C tiles through memory after each group, the
+// tiles waited on the vector units and int8 ran no faster than bf16 on tdpbf16ps (2 cores of a
+// Xeon, SmolLM2's layer shapes, GOP/s: 32 rows 1,045-1,120 -> 1,149-1,285, 512 rows
+// 1,183-1,307 -> 1,497-1,597, alternated runs).
+inline void amx_tile_i8(const uint8_t* a, int64_t ldx, const float* s, int64_t ls, int64_t groups, const int8_t* w,
+                        const int32_t* corr, int valid, int cols, const float* scale, const float* bias, float* y,
+                        int64_t ldy) {
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  alignas(64) int32_t c[16][16];
+  auto issue = [&](int64_t g) {  // group g's sums into C tile g % 2
+    if (g % 2 == 0) {
+      _tile_loadd(0, corr + g * kPanel, 0);
+      _tile_loadd(4, a + g * kI8Group, ldx);
+      _tile_loadd(6, w + g * kI8Group * kPanel, 64);
+      _tile_dpbusd(0, 4, 6);
+    } else {
+      _tile_loadd(1, corr + g * kPanel, 0);
+      _tile_loadd(5, a + g * kI8Group, ldx);
+      _tile_loadd(7, w + g * kI8Group * kPanel, 64);
+      _tile_dpbusd(1, 5, 7);
+    }
+  };
+  issue(0);
   for (int64_t g = 0; g < groups; ++g) {
-    const int32_t* c0 = corr + g * kPanel;
-    const int32_t* c1 = corr + (groups + g) * kPanel;
-    _tile_loadd(0, c0, 0);
-    if constexpr (NT > 1) _tile_loadd(1, c1, 0);
-    if constexpr (MT > 1) _tile_loadd(2, c0, 0);
-    if constexpr (MT > 1 && NT > 1) _tile_loadd(3, c1, 0);
-    _tile_loadd(6, w + g * kI8Group * kPanel, 64);
-    _tile_loadd(4, a0 + g * kI8Group, ldx);
-    _tile_dpbusd(0, 4, 6);
-    if constexpr (NT > 1) {
-      _tile_loadd(7, w + ps + g * kI8Group * kPanel, 64);
-      _tile_dpbusd(1, 4, 7);
-    }
-    if constexpr (MT > 1) {
-      _tile_loadd(5, a1 + g * kI8Group, ldx);
-      _tile_dpbusd(2, 5, 6);
-      if constexpr (NT > 1) _tile_dpbusd(3, 5, 7);
-    }
-    _tile_stored(0, c[0], 64);
-    if constexpr (NT > 1) _tile_stored(1, c[1], 64);
-    if constexpr (MT > 1) _tile_stored(2, c[2], 64);
-    if constexpr (MT > 1 && NT > 1) _tile_stored(3, c[3], 64);
-    for (int t = 0; t < MT; ++t)
-      for (int i = 0; i < valid[t]; ++i) {
-        const __m512 sv = _mm512_set1_ps(sx[t][i * ls + g]);
-        for (int j = 0; j < NT; ++j) {
-          float* a = acc[t * 2 + j][i];
-          const __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512(c[t * 2 + j][i]));
-          _mm512_store_ps(a, _mm512_fmadd_ps(s, sv, _mm512_load_ps(a)));
-        }
-      }
+    if (g + 1 < groups) issue(g + 1);
+    if (g % 2 == 0) _tile_stored(0, c, 64);
+    else _tile_stored(1, c, 64);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i)
+      if (i < valid)
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[i])), _mm512_set1_ps(s[i * ls + g]), acc[i]);
   }
-  for (int t = 0; t < MT; ++t)
-    for (int j = 0; j < NT; ++j)
-      amx_store(acc[t * 2 + j], valid[t], j == NT - 1 ? last : 16, scale + j * kPanel,
-                bias ? bias + j * kPanel : nullptr, y + t * 16 * ldy + j * kPanel, ldy);
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+  const __m512 sv = _mm512_maskz_loadu_ps(mask, scale);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i)
+    if (i < valid) _mm512_mask_storeu_ps(y + i * ldy, mask, _mm512_fmadd_ps(acc[i], sv, bv));
 }
 
 // panel_products_i8's contract (xq: M rows of stride groups * 64, sx: their scales, M x groups;
@@ -229,32 +241,15 @@ inline void amx_products_i8(const uint8_t* xq, const float* sx, int64_t M, int64
   const int64_t ldx = groups * kI8Group;
   const AmxRows<uint8_t> xr(xq, ldx, M, tail_buf);
   const AmxRows<float> sr(sx, groups, M, tail_sx);
-  amx_configure(M);
+  const AmxScope tiles(M);
+  amx_operands_written();
   const int64_t np = (rows + kPanel - 1) / kPanel;
   const int last = static_cast<int>(rows - (np - 1) * kPanel);
-  for (int64_t j = 0; j < np; j += 2) {
-    const bool two = j + 1 < np;
-    const int lj = j + (two ? 2 : 1) == np ? last : 16;
-    const int8_t* wj = w + j * kPanel * ldx;
-    const int32_t* cj = cw + j * groups * kPanel;
-    const float* sc = scale + j * kPanel;
-    const float* bs = bias ? bias + j * kPanel : nullptr;
-    for (int64_t m = 0; m < M; m += 32) {
-      const int v0 = static_cast<int>(std::min<int64_t>(16, M - m)), v1 = static_cast<int>(std::min<int64_t>(16, M - m - 16));
-      const uint8_t* a0 = xr.tile(m);
-      const float* s0 = sr.tile(m);
-      float* yt = y + m * ldy + j * kPanel;
-      if (v1 > 0) {
-        const uint8_t* a1 = xr.tile(m + 16);
-        const float* s1 = sr.tile(m + 16);
-        if (two) amx_block_i8<2, 2>(a0, a1, ldx, s0, s1, groups, groups, wj, cj, v0, v1, lj, sc, bs, yt, ldy);
-        else amx_block_i8<2, 1>(a0, a1, ldx, s0, s1, groups, groups, wj, cj, v0, v1, lj, sc, bs, yt, ldy);
-      } else {
-        if (two) amx_block_i8<1, 2>(a0, a0, ldx, s0, s0, groups, groups, wj, cj, v0, 0, lj, sc, bs, yt, ldy);
-        else amx_block_i8<1, 1>(a0, a0, ldx, s0, s0, groups, groups, wj, cj, v0, 0, lj, sc, bs, yt, ldy);
-      }
-    }
-  }
+  for (int64_t j = 0; j < np; ++j)  // a panel (9-24 KiB at SmolLM2's K) stays in L1 for every row tile
+    for (int64_t m = 0; m < M; m += 16)
+      amx_tile_i8(xr.tile(m), ldx, sr.tile(m), groups, groups, w + j * kPanel * ldx, cw + j * groups * kPanel,
+                  static_cast<int>(std::min<int64_t>(16, M - m)), j == np - 1 ? last : 16, scale + j * kPanel,
+                  bias ? bias + j * kPanel : nullptr, y + m * ldy + j * kPanel, ldy);
 }
 
 #endif  // AMX

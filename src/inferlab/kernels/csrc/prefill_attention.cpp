@@ -300,6 +300,10 @@ void run(const at::Tensor& q, at::Tensor& out, int64_t ctx, int64_t kvh, int64_t
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     thread_local Scratch<E> sc;
+    // torch's micro-kernel loads its AMX tile configuration only when it was not the last kernel
+    // it ran on this thread, and the amx variant's products (csrc/amx.h) load theirs in between:
+    // start from none, or it may multiply on theirs (measured: wrong sums in 2 of 10 test runs).
+    if constexpr (F::kVnni) at::native::cpublas::brgemm_release(true);
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
       const int64_t blk = nblocks - 1 - i / (b * kvh);  // latest first: the longest rows
       const int64_t sg = i % (b * kvh), s = sg / kvh, g = sg % kvh;
