@@ -9,9 +9,10 @@ torch's own OpenMP runtime, through `at::parallel_for` or, in decoder_step.cpp, 
 torch's libgomp is the one already loaded; a second OpenMP runtime would fight it for the cores).
 
 One decision per machine, made once from the CPU's flags (/proc/cpuinfo) and frozen in
-`kernel_info()`: the AMX variant (the AVX-512 one's flags and code, and from 16 rows of x its
-panel products by AMX tiles, tdpbf16ps and tdpbusd: csrc/amx.h) where the CPU has AMX-TILE,
-AMX-BF16 and AMX-INT8 and Linux grants the process the tile state, else the AVX-512 variant (F/BW/VL/DQ + BF16 + VNNI: bf16 weights multiplied with
+`kernel_info()`: the AMX variant (the AVX-512 one's flags and code, its panel products on AMX
+tiles: bf16 by tdpbf16ps at every row count, w8a8 by tdpbusd from 9 rows; csrc/amx.h) where the
+CPU has AMX-TILE, AMX-BF16 and AMX-INT8 and Linux grants the process the tile state, else the
+AVX-512 variant (F/BW/VL/DQ + BF16 + VNNI: bf16 weights multiplied with
 vdpbf16ps, int8 with vpdpbusd) where every one of those flags is there, else the AVX2 variant
 (AVX2 + FMA + F16C; the same flags and code as before the AVX-512 variant existed, w8a8's int8
 x 7-bit x with vpmaddubsw on the same panels), else none
@@ -72,7 +73,7 @@ class KernelInfo:
 
     variant: "amx", "avx512", "avx2" or "none" (plain torch). reason: why "none" (or why not the
     best variant), empty otherwise. bf16_dot: the decode kernels multiply bf16 weights with
-    vdpbf16ps (activations rounded to bf16 per row, float32 sums; on amx from 16 rows tdpbf16ps).
+    vdpbf16ps (activations rounded to bf16 per row, float32 sums; on amx tdpbf16ps).
     int8_dot: the integer dot product that int8 weights with int8 activations (weight_dtype w8a8)
     run on, codes in panels, "vpdpbusd" (VNNI; "vpdpbusd, tdpbusd" on amx) or "vpmaddubsw"
     (AVX2), or "" (no kernels: no w8a8); int8_x_group and
@@ -98,7 +99,7 @@ class KernelInfo:
 
     @property
     def avx512(self) -> bool:
-        """The AVX-512 kernels (the amx variant is them, with tile products from 16 rows)."""
+        """The AVX-512 kernels (the amx variant is them, with its panel products on AMX tiles)."""
         return self.variant in ("amx", "avx512")
 
     @property
@@ -151,8 +152,9 @@ class KernelInfo:
         """One line: the variant, its weight path, and why when it is not the CPU's best."""
         if not self.available:
             return f"inferlab CPU kernels: none ({self.reason}); plain torch operators"
-        path = ("bf16 weights in panels by vdpbf16ps, w8a8 in panels by vpdpbusd, "
-                + ("from 16 rows by AMX tiles (tdpbf16ps, tdpbusd)" if self.amx else "at every row count")
+        path = (("bf16 weights in panels by AMX tiles (tdpbf16ps) at every row count, w8a8 in panels by "
+                 "vpdpbusd, from 9 rows by AMX tiles (tdpbusd)") if self.amx else
+                "bf16 weights in panels by vdpbf16ps, w8a8 in panels by vpdpbusd, at every row count"
                 if self.bf16_dot else
                 "float16 / int8 weights converted in registers, float32 FMA; w8a8 in panels by vpmaddubsw")
         extra = f" ({self.reason})" if self.reason else ""
