@@ -38,7 +38,7 @@ namespace inferlab_matvec {
 
 // Rows of 64 bytes: C tiles 0-3 (float32 or int32 sums of up to 16 x-rows by one panel's 16
 // columns), A tiles 4-5 (up to 16 rows of x), B tiles 6-7 (one panel's k block, 16 rows).
-// kAmxConfigs[r]: C and A tiles of r rows (r = M below 16 rows of x, else 16).
+// kAmxConfigs.c[r]: C and A tiles of r rows (r = M below 16 rows of x, else 16).
 struct alignas(64) AmxConfig {
   uint8_t palette, start_row, reserved[14];
   uint16_t colsb[16];
