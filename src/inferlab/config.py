@@ -269,8 +269,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     num_threads: int | None = None  # torch intra-op threads (all ranks together); None = all cores
-    # Seconds between returns of the C heap's free pages to the OS while busy (and at every idle
-    # point); None = never. Bounds RSS growth from fragmentation (see engine/heap.py).
+    # Seconds between returns of the C heap's free pages to the OS while busy (and once idle: at
+    # the end of LLM.generate, after 1 s of idle in the server); None = never. Bounds RSS growth from fragmentation (see engine/heap.py).
     heap_trim_interval_s: float | None = 5.0
     # Sampling defaults for the fields a request leaves out (engine/generation_config.py):
     # "model" | "openai", and a parsed --override-generation-config over them.
