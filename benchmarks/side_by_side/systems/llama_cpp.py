@@ -1,5 +1,7 @@
 """llama.cpp's llama-server through ../shared/peers/serve_llama.sh (2 threads, N slots): the Q4_1
-GGUF as shipped, and an F16 GGUF made from it."""
+GGUF as shipped, an F16 GGUF made from it, and (asked for by name) the Q4_1 GGUF with llama.cpp's
+weight repacking turned off: on a Xeon with AMX its repacked Q4_1 server died with SIGSEGV at
+start, every run, and without repacking it serves."""
 
 from __future__ import annotations
 
@@ -21,9 +23,11 @@ class LlamaSystem(System):
     gguf: str = ""
     script: str = ""
     bin_dir: str = ""
+    repack: bool = True  # llama.cpp's default; False sets LLAMA_ARG_REPACK=0 (its --no-repack)
 
     def server(self, port: int, slots: int) -> ServerSpec:
-        return ServerSpec(["bash", self.script, self.gguf, str(port), str(slots)], {"LLAMA_BIN": self.bin_dir})
+        env = {"LLAMA_BIN": self.bin_dir} | ({} if self.repack else {"LLAMA_ARG_REPACK": "0"})
+        return ServerSpec(["bash", self.script, self.gguf, str(port), str(slots)], env)
 
     def slot_groups(self, workloads: Sequence[Workload]) -> list[tuple[int, list[Workload]]]:
         """One server per slot count: serve_llama.sh splits its context into 512-token slots when
@@ -47,7 +51,7 @@ def setup_needed(paths: Paths) -> str | None:
     return None if (paths.llama_bin / "llama-server").is_file() else SETUP
 
 
-def _llama(f16: bool, paths: Paths, args: argparse.Namespace, notes: list[str]) -> System:
+def _llama(f16: bool, paths: Paths, args: argparse.Namespace, notes: list[str], repack: bool = True) -> System:
     script, missing = paths.script("serve_llama.sh")
     gguf = paths.f16_gguf if f16 else paths.default_gguf
     if missing is None and setup_needed(paths):
@@ -58,8 +62,9 @@ def _llama(f16: bool, paths: Paths, args: argparse.Namespace, notes: list[str]) 
         gguf.parent.mkdir(parents=True, exist_ok=True)
         missing = make_from(paths, cmd, gguf, notes, (SETUP, f"no F16 GGUF ({shlex.join(cmd)} failed)"))
     rates = AssumedRates(115, 1043, 265, 3) if f16 else AssumedRates(147, 454, 137, 3)
-    return LlamaSystem(f"llama.cpp {'F16' if f16 else 'Q4_1'}", "llama.cpp", args.peer_timeout, missing, rates,
-                       gguf=str(gguf), script=str(script), bin_dir=str(paths.llama_bin))
+    name = f"llama.cpp {'F16' if f16 else 'Q4_1'}" + ("" if repack else " (no repack)")
+    return LlamaSystem(name, "llama.cpp", args.peer_timeout, missing, rates, gguf=str(gguf), script=str(script),
+                       bin_dir=str(paths.llama_bin), repack=repack)
 
 
 def q4_1(paths: Paths, args: argparse.Namespace, notes: list[str]) -> System:
@@ -68,3 +73,7 @@ def q4_1(paths: Paths, args: argparse.Namespace, notes: list[str]) -> System:
 
 def f16(paths: Paths, args: argparse.Namespace, notes: list[str]) -> System:
     return _llama(True, paths, args, notes)
+
+
+def q4_1_no_repack(paths: Paths, args: argparse.Namespace, notes: list[str]) -> System:
+    return _llama(False, paths, args, notes, repack=False)
