@@ -50,7 +50,8 @@ def test_bf16_step_gives_the_float32_path_bits(monkeypatch):
     """A 200-token prefill with bf16 weights: hidden states bitwise equal with the bf16 path on
     and off (off: MKL_MIN_ROWS out of reach, so the step converts around every operator), once the
     float32 path's o, gate/up and down outputs are rounded to bf16 as the bf16 path passes them on
-    (x is rounded to bf16 inside every product either way: the panels' kernel)."""
+    (x is rounded to bf16 inside every product either way: the panels' kernel); on the amx
+    variant SiLU(gate) * up comes from the tiles in the bf16 path, the same bits."""
     cfg = tiny_model_config("llama", hidden_size=128, intermediate_size=384)
     cache = CacheConfig(block_size=16, num_blocks_override=32)
     runner = ModelRunner(cfg, load_dummy(cfg, torch.float32).weights,
@@ -60,13 +61,13 @@ def test_bf16_step_gives_the_float32_path_bits(monkeypatch):
     req = ScheduledRequest("r", list(range(3, 203)), 0, list(range(1, 14)), True, SamplingParams(), [], [])
     ids, positions, meta, _ = runner._prepare([], [req])
     ran: list[bool] = []
-    real = model.layers[0].gate_up.product_bf16
+    real = model.layers[0].o.product_bf16  # (gate/up may go through product_silu_bf16: the amx variant)
 
     def spy(x):
         ran.append(True)
         return real(x)
 
-    monkeypatch.setattr(model.layers[0].gate_up, "product_bf16", spy)
+    monkeypatch.setattr(model.layers[0].o, "product_bf16", spy)
     on = model.forward(ids, positions, runner.kv_caches, meta)
     assert ran  # the bf16 path ran
     monkeypatch.setattr(decoder, "MKL_MIN_ROWS", 10**9)

@@ -2,7 +2,8 @@
 w8a8's (from 9 rows) are the avx512 variant's bits at every row count (exact integer sums, the
 same float32 steps after them), down to the engine's tokens and logprobs; bf16's (every row
 count, K a whole number of 32-value tiles) hold to the float32 sums' bound and give each row the
-same bits at every row count. The avx512 variant of the
+same bits at every row count; SiLU(gate) * up taken from the tiles is the product then
+silu_mul's bits, down to a prefill's logprobs. The avx512 variant of the
 same build runs in a child process (INFERLAB_KERNELS=avx512). Skipped where this process has no
 amx variant, naming what is missing."""
 
@@ -115,3 +116,46 @@ def test_w8a8_engine_on_tiles_gives_the_avx512_variants_tokens_and_logprobs(tmp_
     _in_avx512_child(f"import torch, test_kernels_amx as t; "
                      f"torch.save(t.w8a8_engine_outputs({str(model)!r}), {str(tmp_path / 'o.pt')!r})")
     assert w8a8_engine_outputs(str(model)) == torch.load(tmp_path / "o.pt")
+
+
+def test_silu_from_the_tiles_gives_the_product_then_silu_mul_bits():
+    """linear_panels_silu multiplies each gate panel beside its up panel and takes SiLU(gate) * up
+    from the tiles' sums: the bits of silu_mul(product_bf16(x)), every row count, x in float32
+    or bf16; a weight it cannot take (a bias, a half not whole panels) says so."""
+    g = torch.Generator().manual_seed(5)
+    for k, inter in ((576, 1536), (64, 48), (96, 16), (130, 32)):  # 130: K rounded up to 160 in the panels
+        lin = WeightOnlyLinear(torch.randn(2 * inter, k, generator=g) * 0.05, torch.bfloat16)
+        assert lin.silu_tiles == ((k + 1) // 2 * 2 % 32 == 0)
+        if not lin.silu_tiles:
+            with pytest.raises(ValueError, match="product_silu_bf16 needs"):
+                lin.product_silu_bf16(torch.randn(3, k))
+            continue
+        for m in (*ROWS, 513):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = (torch.randn(m, k, generator=g) * 3).to(dtype)
+                want = torch.ops.inferlab.silu_mul(lin.product_bf16(x))
+                got = lin.product_silu_bf16(x)
+                assert got.dtype == torch.bfloat16 and got.shape == (m, inter)
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (k, inter, m, dtype)
+    assert not WeightOnlyLinear(torch.randn(96, 64), torch.bfloat16, torch.randn(96)).silu_tiles  # a bias
+    assert not WeightOnlyLinear(torch.randn(80, 64), torch.bfloat16).silu_tiles  # halves of 40: not whole panels
+
+
+def test_a_bf16_prefill_with_silu_from_the_tiles_gives_the_same_logprobs(tmp_path):
+    """The model takes SiLU(gate) * up from the tiles in its bf16 prefill steps (128+ rows):
+    prompt and sampled logprobs the same bits as with the product then silu_mul."""
+    model = make_tiny_hf_model(tmp_path / "m", arch="llama")
+    llm = LLM(str(model), num_kv_blocks=128, decoder_backend="fused", enable_prefix_caching=False)
+    forward = llm.engine.runner.model
+    assert forward.silu_tiles
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (140, 200)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+
+    def run() -> list:
+        return [(r.prompt_logprobs, [(t.token_id, t.logprob) for t, _ in r.outputs[0].logprobs])
+                for r in llm.generate(prompts, params)]
+
+    tiles = run()
+    forward.silu_tiles = False
+    assert run() == tiles

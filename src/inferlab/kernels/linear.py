@@ -218,6 +218,10 @@ class WeightOnlyLinear:
         # Kept in float32, as the kernels take it; the fallback casts it to the activations' dtype.
         self.bias = bias.float().contiguous() if bias is not None else None
         self.use_kernels = kernel.available
+        # The amx variant can take SiLU(gate) * up straight from the tiles of a [gate; up] weight
+        # (`product_silu_bf16`): bf16 panels, no bias, each half whole panels.
+        self.silu_tiles = (self.bf16_products and kernel.amx and bias is None and self.out_features % 32 == 0
+                           and (self.in_features + 1) // 2 * 2 % 32 == 0)
         # From MKL_MIN_ROWS rows on, int8 weights (as bf16 codes x scales) go to oneDNN's bf16
         # GEMM there: x and the output rounded to bf16.
         self.bf16_gemm = stored_dtype == torch.int8 and kernel.bf16_dot
@@ -288,6 +292,13 @@ class WeightOnlyLinear:
             raise ValueError("product_bf16 needs bf16 weights on a kernel variant with bf16 products")
         return torch.ops.inferlab.linear_panels(x, self.weight, self.out_features, self.bias,
                                                 out_dtype == torch.bfloat16)
+
+    def product_silu_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(x @ W_gate^T) * (x @ W_up^T) in bf16 for a [gate; up] weight (`silu_tiles`): the bits
+        of silu_mul(product_bf16(x)), without the [M, 2I] product written out and read back."""
+        if not self.silu_tiles:
+            raise ValueError("product_silu_bf16 needs bf16 panels of a [gate; up] weight on the amx kernel variant")
+        return torch.ops.inferlab.linear_panels_silu(x, self.weight, self.out_features)
 
     def product_q8(self, xq: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
         """x @ W^T (+ bias) from x already quantized for w8a8's panels (u8 codes per group of 64

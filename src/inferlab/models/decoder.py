@@ -149,6 +149,10 @@ class DecoderModel:
         # as int8 codes (fused.cpp's *_q8), not float32 rows it quantizes again.
         first = self.layers[0].qkv if self.layers else None
         self.q8_epilogues = self.backends.fused_layers and isinstance(first, WeightOnlyLinear) and first.i8_panels
+        # The amx variant: a bf16 prefill's SiLU(gate) * up comes straight from gate_up's tiles
+        # (kernels/linear.py product_silu_bf16), the same bits as the product then silu_mul.
+        self.silu_tiles = self.bf16_products and all(getattr(layer.gate_up, "silu_tiles", False)
+                                                     for layer in self.layers)
         self._step: object | None = None  # torch.classes.inferlab.DecoderStep, built on first use
         self._step_caches: list | None = None
         line = self.describe_precision()
@@ -281,11 +285,12 @@ class DecoderModel:
                 delta = layer.down.product_q8(*ops.silu_mul_q8(gate_up))
                 continue
             h = add_norm(x, product(layer.o, attn), layer.post_norm, bf16)
-            gate_up = product(layer.gate_up, h)
-            if fused:
-                act = ops.silu_mul(gate_up)
+            if bf16 and self.silu_tiles:
+                act = layer.gate_up.product_silu_bf16(h)
+            elif fused:
+                act = ops.silu_mul(product(layer.gate_up, h))
             else:
-                gate, up = gate_up.chunk(2, dim=-1)
+                gate, up = product(layer.gate_up, h).chunk(2, dim=-1)
                 act = F.silu(gate) * up
             delta = product(layer.down, act)
         return add_norm(x, delta, self.final_norm, False)

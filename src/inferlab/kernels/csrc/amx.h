@@ -112,24 +112,22 @@ inline void amx_store(const float (*c)[16], int valid, int cols, const float* sc
 }
 
 // ---- bf16 panels by tdpbf16ps --------------------------------------------------------------
-// MT (1 or 2) row tiles of x (a0, a1: 16 rows each, stride ldx, bf16) by NT (1 or 2) panels from
-// w on (16 * kp values each), over every k: y rows valid0 / valid1 of each row tile, the last
-// panel `last` <= 16 columns.
-template <int MT, int NT, typename Y>
-inline void amx_block_bf16(const uint16_t* a0, const uint16_t* a1, int64_t ldx, const uint16_t* w, int64_t kp,
-                           int valid0, int valid1, int last, const float* scale, const float* bias, Y* y,
-                           int64_t ldy) {
-  const int64_t ps = kPanel * kp, stride = ldx * 2;
+// The sums of MT (1 or 2) row tiles of x (a0, a1: 16 rows each, stride ldx, bf16) by NT (1 or 2)
+// panels (w0, w1: 16 * kp values each), over every k, into c[t * 2 + j] (16 x 16 floats each).
+template <int MT, int NT>
+inline void amx_tiles_bf16(const uint16_t* a0, const uint16_t* a1, int64_t ldx, const uint16_t* w0,
+                           const uint16_t* w1, int64_t kp, float (*c)[16][16]) {
+  const int64_t stride = ldx * 2;
   _tile_zero(0);
   if constexpr (NT > 1) _tile_zero(1);
   if constexpr (MT > 1) _tile_zero(2);
   if constexpr (MT > 1 && NT > 1) _tile_zero(3);
   for (int64_t k = 0; k < kp; k += 32) {
-    _tile_loadd(6, w + k * kPanel, 64);
+    _tile_loadd(6, w0 + k * kPanel, 64);
     _tile_loadd(4, a0 + k, stride);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (NT > 1) {
-      _tile_loadd(7, w + ps + k * kPanel, 64);
+      _tile_loadd(7, w1 + k * kPanel, 64);
       _tile_dpbf16ps(1, 4, 7);
     }
     if constexpr (MT > 1) {
@@ -138,11 +136,20 @@ inline void amx_block_bf16(const uint16_t* a0, const uint16_t* a1, int64_t ldx, 
       if constexpr (NT > 1) _tile_dpbf16ps(3, 5, 7);
     }
   }
-  alignas(64) float c[4][16][16];
   _tile_stored(0, c[0], 64);
   if constexpr (NT > 1) _tile_stored(1, c[1], 64);
   if constexpr (MT > 1) _tile_stored(2, c[2], 64);
   if constexpr (MT > 1 && NT > 1) _tile_stored(3, c[3], 64);
+}
+
+// MT row tiles by NT panels from w on (adjacent), stored: y rows valid0 / valid1 of each row
+// tile, the last panel `last` <= 16 columns.
+template <int MT, int NT, typename Y>
+inline void amx_block_bf16(const uint16_t* a0, const uint16_t* a1, int64_t ldx, const uint16_t* w, int64_t kp,
+                           int valid0, int valid1, int last, const float* scale, const float* bias, Y* y,
+                           int64_t ldy) {
+  alignas(64) float c[4][16][16];
+  amx_tiles_bf16<MT, NT>(a0, a1, ldx, w, NT > 1 ? w + kPanel * kp : w, kp, c);
   for (int t = 0; t < MT; ++t)
     for (int j = 0; j < NT; ++j)
       amx_store(c[t * 2 + j], t ? valid1 : valid0, j == NT - 1 ? last : 16, scale ? scale + j * kPanel : nullptr,

@@ -32,6 +32,12 @@
 //       vdpbf16ps: x (float32 or bf16) rounded to bf16, float32 sums, the output float32 or
 //       rounded to bf16. Many rows go 64 at a time over the weights (kPanelRowBlock); against
 //       oneDNN's bf16 GEMM on the [N, K] matrix: 0.9-1.0x at 512 rows, and one copy of the weights.
+//   linear_panels_silu(Tensor x, Tensor panels, int n) -> Tensor
+//       (amx variant only) a gate/up weight [gate; up] of n rows (n a multiple of 32) in panels:
+//       silu(x W_gate^T) * (x W_up^T), bf16 [..., n / 2], the bits of silu_mul(linear_panels(x,
+//       panels, n, out_bf16=True)), each gate panel multiplied beside its up panel and the SiLU
+//       taken from the tiles' sums: the [M, n] product is never written (a 1,024-token prefill of
+//       SmolLM2 wrote and read back 6 MB a layer, and the separate silu_mul was ~7% of its time).
 //   linear_panels_i8(Tensor x, Tensor panels, Tensor corr, Tensor scale, int n, Tensor? bias=None) -> Tensor
 //       w8a8: int8 codes as kernels/linear.py's pack_panels_i8 stores them ([ceil(n / 16),
 //       ceil(K / 64) * 16, 16, 4]; on AVX2 with the sign bit flipped, u = w + 128), corr their
@@ -59,6 +65,7 @@
 
 #include "matvec.h"
 #include "q4.h"
+#include "rows.h"
 
 #include <algorithm>
 #include <atomic>
@@ -241,17 +248,36 @@ at::Tensor linear_w16(const at::Tensor& x, const at::Tensor& w, const std::optio
 constexpr int64_t kPanelRowBlock = 64;
 
 #if defined(__AVX512BF16__)
-at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t n,
-                         const std::optional<at::Tensor>& bias, bool out_bf16) {
+// x [M, K] (float32 or bf16) in bf16, rows of kp values (a zero past an odd K): as given when it
+// already is.
+at::Tensor x_in_bf16(const at::Tensor& x2, int64_t kp) {
+  const int64_t M = x2.size(0), K = x2.size(1);
+  if (x2.scalar_type() == at::kBFloat16 && kp == K) return x2.contiguous();
+  if (x2.scalar_type() == at::kBFloat16) return at::constant_pad_nd(x2, {0, 1}, 0).contiguous();
+  at::Tensor xb = at::empty({M, kp}, x2.options().dtype(at::kBFloat16));
+  const at::Tensor xf = x2.contiguous();
+  const float* xp = xf.data_ptr<float>();
+  uint16_t* dp = reinterpret_cast<uint16_t*>(xb.data_ptr<at::BFloat16>());
+  at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) { x_to_bf16_rows(xp + m0 * K, m1 - m0, K, dp + m0 * kp); });
+  return xb;
+}
+
+void check_bf16_panels(const char* name, const at::Tensor& x, const at::Tensor& panels, int64_t n) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "inferlab linear_panels: x must be float32 or bfloat16, got ", x.scalar_type());
+              "inferlab ", name, ": x must be float32 or bfloat16, got ", x.scalar_type());
   TORCH_CHECK(panels.scalar_type() == at::kBFloat16 && panels.dim() == 4 && panels.is_contiguous() &&
                   panels.size(2) == kPanel && panels.size(3) == 2,
-              "inferlab linear_panels: panels must be contiguous bf16 [N / 16, K / 2, 16, 2] (pack_panels)");
-  TORCH_CHECK(x.dim() >= 1, "inferlab linear_panels: x must have at least one dimension");
+              "inferlab ", name, ": panels must be contiguous bf16 [N / 16, K / 2, 16, 2] (pack_panels)");
+  TORCH_CHECK(x.dim() >= 1, "inferlab ", name, ": x must have at least one dimension");
   const int64_t K = x.size(-1), kp = panel_k(K);
   TORCH_CHECK(panels.size(1) * 2 == kp && n > 0 && (n + kPanel - 1) / kPanel == panels.size(0),
-              "inferlab linear_panels: panels ", panels.sizes(), " do not hold ", n, " x ", K, " weights");
+              "inferlab ", name, ": panels ", panels.sizes(), " do not hold ", n, " x ", K, " weights");
+}
+
+at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t n,
+                         const std::optional<at::Tensor>& bias, bool out_bf16) {
+  check_bf16_panels("linear_panels", x, panels, n);
+  const int64_t K = x.size(-1), kp = panel_k(K);
   const float* bias_p = vector_or_null(bias, n, "linear_panels", "bias");
   at::Tensor x2 = x.reshape({-1, K});
   const int64_t M = x2.size(0);
@@ -259,19 +285,7 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t 
   out_sizes.back() = n;
   at::Tensor y = at::empty({M, n}, x.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
   if (M == 0) return y.view(out_sizes);
-  // x in bf16, rows of kp values (a zero past an odd K): as given when it already is.
-  at::Tensor xb;
-  if (x2.scalar_type() == at::kBFloat16 && kp == K) {
-    xb = x2.contiguous();
-  } else if (x2.scalar_type() == at::kBFloat16) {
-    xb = at::constant_pad_nd(x2, {0, 1}, 0).contiguous();
-  } else {
-    xb = at::empty({M, kp}, x.options().dtype(at::kBFloat16));
-    const at::Tensor xf = x2.contiguous();
-    const float* xp = xf.data_ptr<float>();
-    uint16_t* dp = reinterpret_cast<uint16_t*>(xb.data_ptr<at::BFloat16>());
-    at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) { x_to_bf16_rows(xp + m0 * K, m1 - m0, K, dp + m0 * kp); });
-  }
+  const at::Tensor xb = x_in_bf16(x2, kp);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
   const at::BFloat16* wp = panels.data_ptr<at::BFloat16>();
   auto run = [&](auto* yp) {
@@ -288,6 +302,65 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t 
   else run(y.data_ptr<float>());
   return y.view(out_sizes);
 }
+
+#ifdef INFERLAB_AMX
+// silu(gate) * up from the gate/up panels' tiles, for M rows of x (bf16, stride ldx) and the
+// `np` panels from gate panel g0 on (up panel g0 + half with each): the 2 x 2 blocks multiply a
+// gate panel and its up panel, and their sums go out as the product then silu_mul would take
+// them (each rounded to bf16, widened, silu_mul16, rounded), so y's bits are those of
+// silu_mul(linear_panels(x, out_bf16)) without the [M, 2I] product written and read back.
+void amx_products_silu(const uint16_t* xb, int64_t ldx, int64_t M, int64_t kp, const uint16_t* gate,
+                       const uint16_t* up, int64_t np, at::BFloat16* y, int64_t ldy) {
+  thread_local std::vector<uint16_t> tail_buf;
+  const AmxRows<uint16_t> xr(xb, ldx, M, tail_buf);
+  const AmxScope tiles(M);
+  amx_operands_written();
+  const auto rounded = [](const float* v) {  // to bf16 and back, as the two-step path stores and widens
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(v))), 16));
+  };
+  for (int64_t j = 0; j < np; ++j) {
+    const uint16_t *wg = gate + j * kPanel * kp, *wu = up + j * kPanel * kp;
+    for (int64_t m = 0; m < M; m += 32) {
+      const int v0 = static_cast<int>(std::min<int64_t>(16, M - m)), v1 = static_cast<int>(std::min<int64_t>(16, M - m - 16));
+      alignas(64) float c[4][16][16];
+      if (v1 > 0) amx_tiles_bf16<2, 2>(xr.tile(m), xr.tile(m + 16), ldx, wg, wu, kp, c);
+      else amx_tiles_bf16<1, 2>(xr.tile(m), xr.tile(m), ldx, wg, wu, kp, c);
+      for (int t = 0; t < (v1 > 0 ? 2 : 1); ++t)
+        for (int i = 0, valid = t ? v1 : v0; i < valid; ++i)
+          store16(y + (m + t * 16 + i) * ldy + j * kPanel, __mmask16(0xffff),
+                  inferlab_rows::silu_mul16(rounded(c[t * 2][i]), rounded(c[t * 2 + 1][i])));
+    }
+  }
+}
+
+// linear_panels_silu(x, panels, n): silu(x W_gate^T) * (x W_up^T), bf16 [..., n / 2], for a gate/up
+// weight [gate; up] of n rows in panels, n a multiple of 32 (each half whole panels).
+at::Tensor linear_panels_silu(const at::Tensor& x, const at::Tensor& panels, int64_t n) {
+  check_bf16_panels("linear_panels_silu", x, panels, n);
+  TORCH_CHECK(n % (2 * kPanel) == 0, "inferlab linear_panels_silu: n (", n, ") must be a multiple of ", 2 * kPanel);
+  const int64_t K = x.size(-1), kp = panel_k(K), half = n / 2;
+  TORCH_CHECK(kp % 32 == 0, "inferlab linear_panels_silu: K (", K, ") must round up to a multiple of 32");
+  at::Tensor x2 = x.reshape({-1, K});
+  const int64_t M = x2.size(0);
+  std::vector<int64_t> out_sizes(x.sizes().begin(), x.sizes().end());
+  out_sizes.back() = half;
+  at::Tensor y = at::empty({M, half}, x.options().dtype(at::kBFloat16));
+  if (M == 0) return y.view(out_sizes);
+  const at::Tensor xb = x_in_bf16(x2, kp);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  const int64_t gate_panels = half / kPanel;
+  for (int64_t m0 = 0; m0 < M; m0 += kPanelRowBlock) {  // as linear_panels passes over the weights
+    const int64_t mm = std::min(kPanelRowBlock, M - m0);
+    for_block_chunks(gate_panels, [&](int64_t p0, int64_t p1) {
+      amx_products_silu(xp + m0 * kp, kp, mm, kp, wp + p0 * kPanel * kp, wp + (gate_panels + p0) * kPanel * kp,
+                        p1 - p0, yp + m0 * half + p0 * kPanel, half);
+    }, kPanelsPerTile);
+  }
+  return y.view(out_sizes);
+}
+#endif
 
 #endif
 
@@ -479,6 +552,9 @@ TORCH_LIBRARY_FRAGMENT(inferlab, m) {
 #if defined(__AVX512BF16__)
   m.def("linear_panels(Tensor x, Tensor panels, int n, Tensor? bias=None, bool out_bf16=False) -> Tensor");
 #endif
+#ifdef INFERLAB_AMX
+  m.def("linear_panels_silu(Tensor x, Tensor panels, int n) -> Tensor");
+#endif
   m.def("linear_panels_i8(Tensor x, Tensor panels, Tensor corr, Tensor scale, int n, Tensor? bias=None) -> Tensor");
   m.def("linear_panels_i8_q(Tensor xq, Tensor sx, int k, Tensor panels, Tensor corr, Tensor scale, int n, "
         "Tensor? bias=None) -> Tensor");
@@ -492,6 +568,9 @@ TORCH_LIBRARY_IMPL(inferlab, CPU, m) {
   m.impl("linear_w4", &linear_w4);
 #if defined(__AVX512BF16__)
   m.impl("linear_panels", &linear_panels);
+#endif
+#ifdef INFERLAB_AMX
+  m.impl("linear_panels_silu", &linear_panels_silu);
 #endif
   m.impl("linear_panels_i8", &linear_panels_i8);
   m.impl("linear_panels_i8_q", &linear_panels_i8_q);

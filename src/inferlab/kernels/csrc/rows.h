@@ -81,15 +81,19 @@ inline void rope_row(const float* x, const float* c, const float* s, float* out,
 
 // out[j] = silu(g[j]) * u[j] = g u / (1 + exp(-g)), 16 (AVX-512) or 8 lanes at a time with the
 // vector exp (exp16 is exp8's arithmetic lane for lane, so both variants' lanes agree bitwise).
+#if defined(__AVX512F__)
+// 16 lanes of it: also the amx variant's gate/up product epilogue (linear.cpp linear_panels_silu),
+// so that both give the same bits.
+inline __m512 silu_mul16(__m512 gv, __m512 uv) {
+  const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), inferlab_simd::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
+  return _mm512_div_ps(_mm512_mul_ps(gv, uv), den);
+}
+#endif
+
 inline void silu_mul_row(const float* g, const float* u, int64_t n, float* out) {
   int64_t j = 0;
 #if defined(__AVX512F__)
-  const __m512 one16 = _mm512_set1_ps(1.0f);
-  for (; j + 16 <= n; j += 16) {
-    const __m512 gv = _mm512_loadu_ps(g + j);
-    const __m512 den = _mm512_add_ps(one16, inferlab_simd::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
-    _mm512_storeu_ps(out + j, _mm512_div_ps(_mm512_mul_ps(gv, _mm512_loadu_ps(u + j)), den));
-  }
+  for (; j + 16 <= n; j += 16) _mm512_storeu_ps(out + j, silu_mul16(_mm512_loadu_ps(g + j), _mm512_loadu_ps(u + j)));
 #endif
   const __m256 one = _mm256_set1_ps(1.0f);
   for (; j + 8 <= n; j += 8) {
