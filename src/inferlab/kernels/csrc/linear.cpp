@@ -247,6 +247,26 @@ at::Tensor linear_w16(const at::Tensor& x, const at::Tensor& w, const std::optio
 // first pass reads the panels from memory (`cold` to panel_products_*), the later ones from L3.
 constexpr int64_t kPanelRowBlock = 64;
 
+// for_block_chunks over [0, blocks) for each pass of kPanelRowBlock rows of M, in one parallel
+// region: fn(m0, rows, b0, b1), the tasks taken pass by pass from one shared counter. Why: a
+// region per pass joined its threads 16 times a product at 1,024 rows, ~1,900 times a prefill step
+// of SmolLM2, each join waiting for the slower thread (libgomp's barrier was ~9% of the step's
+// samples); the passes are independent (their rows of y), so no thread need wait between them.
+template <typename F>
+void for_pass_chunks(int64_t M, int64_t blocks, const F& fn, int64_t align) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunk = (std::max<int64_t>(1, blocks / (8 * threads)) + align - 1) / align * align;
+  const int64_t per_pass = (blocks + chunk - 1) / chunk, passes = (M + kPanelRowBlock - 1) / kPanelRowBlock;
+  const int64_t tasks = passes * per_pass;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, tasks), 1, [&](int64_t, int64_t) {
+    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
+      const int64_t m0 = t / per_pass * kPanelRowBlock, b0 = t % per_pass * chunk;
+      fn(m0, std::min(kPanelRowBlock, M - m0), b0, std::min(blocks, b0 + chunk));
+    }
+  });
+}
+
 #if defined(__AVX512BF16__)
 // x [M, K] (float32 or bf16) in bf16, rows of kp values (a zero past an odd K): as given when it
 // already is.
@@ -289,14 +309,10 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t 
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
   const at::BFloat16* wp = panels.data_ptr<at::BFloat16>();
   auto run = [&](auto* yp) {
-    for (int64_t m0 = 0; m0 < M; m0 += kPanelRowBlock) {
-      const int64_t mm = std::min(kPanelRowBlock, M - m0);
-      for_block_chunks(panels.size(0), [&](int64_t p0, int64_t p1) {
-        const int64_t c0 = p0 * kPanel, c1 = std::min(n, p1 * kPanel);
-        panel_products_bf16(xp + m0 * kp, kp, mm, K, wp, c0, c1 - c0, nullptr, bias_p, yp + m0 * n + c0, n,
-                            m0 == 0);
-      }, kPanelsPerTile);
-    }
+    for_pass_chunks(M, panels.size(0), [&](int64_t m0, int64_t mm, int64_t p0, int64_t p1) {
+      const int64_t c0 = p0 * kPanel, c1 = std::min(n, p1 * kPanel);
+      panel_products_bf16(xp + m0 * kp, kp, mm, K, wp, c0, c1 - c0, nullptr, bias_p, yp + m0 * n + c0, n, m0 == 0);
+    }, kPanelsPerTile);
   };
   if (out_bf16) run(y.data_ptr<at::BFloat16>());
   else run(y.data_ptr<float>());
@@ -351,13 +367,10 @@ at::Tensor linear_panels_silu(const at::Tensor& x, const at::Tensor& panels, int
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   const int64_t gate_panels = half / kPanel;
-  for (int64_t m0 = 0; m0 < M; m0 += kPanelRowBlock) {  // as linear_panels passes over the weights
-    const int64_t mm = std::min(kPanelRowBlock, M - m0);
-    for_block_chunks(gate_panels, [&](int64_t p0, int64_t p1) {
-      amx_products_silu(xp + m0 * kp, kp, mm, kp, wp + p0 * kPanel * kp, wp + (gate_panels + p0) * kPanel * kp,
-                        p1 - p0, yp + m0 * half + p0 * kPanel, half);
-    }, kPanelsPerTile);
-  }
+  for_pass_chunks(M, gate_panels, [&](int64_t m0, int64_t mm, int64_t p0, int64_t p1) {  // as linear_panels
+    amx_products_silu(xp + m0 * kp, kp, mm, kp, wp + p0 * kPanel * kp, wp + (gate_panels + p0) * kPanel * kp, p1 - p0,
+                      yp + m0 * half + p0 * kPanel, half);
+  }, kPanelsPerTile);
   return y.view(out_sizes);
 }
 #endif
@@ -407,14 +420,11 @@ void products_i8(const uint8_t* qp, const float* sp, int64_t M, int64_t K, const
     });
     return;
   }
-  for (int64_t m0 = 0; m0 < M; m0 += kPanelRowBlock) {
-    const int64_t mm = std::min(kPanelRowBlock, M - m0);
-    for_block_chunks(np, [&](int64_t p0, int64_t p1) {
-      const int64_t c0 = p0 * kPanel, c1 = std::min(n, p1 * kPanel);
-      panel_products_i8(qp + m0 * ldx, sp + m0 * ls, mm, K, wp, cp, c0, c1 - c0, scp, bias_p, yp + m0 * n + c0, n,
-                        m0 == 0, epoch);
-    }, kPanelsPerTileI8);
-  }
+  for_pass_chunks(M, np, [&](int64_t m0, int64_t mm, int64_t p0, int64_t p1) {
+    const int64_t c0 = p0 * kPanel, c1 = std::min(n, p1 * kPanel);
+    panel_products_i8(qp + m0 * ldx, sp + m0 * ls, mm, K, wp, cp, c0, c1 - c0, scp, bias_p, yp + m0 * n + c0, n,
+                      m0 == 0, epoch);
+  }, kPanelsPerTileI8);
 }
 
 at::Tensor linear_panels_i8(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& corr,
