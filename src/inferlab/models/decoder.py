@@ -153,6 +153,8 @@ class DecoderModel:
         # (kernels/linear.py product_silu_bf16), the same bits as the product then silu_mul.
         self.silu_tiles = self.bf16_products and all(getattr(layer.gate_up, "silu_tiles", False)
                                                      for layer in self.layers)
+        self.silu_tiles_q8 = self.q8_epilogues and all(getattr(layer.gate_up, "silu_tiles_q8", False)
+                                                       for layer in self.layers)
         self._step: object | None = None  # torch.classes.inferlab.DecoderStep, built on first use
         self._step_caches: list | None = None
         line = self.describe_precision()
@@ -280,9 +282,11 @@ class DecoderModel:
             attn = paged_attention(q, k, v, cache, meta, self.scale, kv_written=True, prefill=self.prefill_attention,
                                    bf16_decode=self.precision.bf16_decode_attention)
             if q8:
-                gate_up = layer.gate_up.product_q8(*ops.add_rms_norm_q8_(x, layer.o(attn), layer.post_norm,
-                                                                         c.rms_norm_eps))
-                delta = layer.down.product_q8(*ops.silu_mul_q8(gate_up))
+                normed = ops.add_rms_norm_q8_(x, layer.o(attn), layer.post_norm, c.rms_norm_eps)
+                if self.silu_tiles_q8:
+                    delta = layer.down.product_q8(*layer.gate_up.product_silu_q8(*normed))
+                else:
+                    delta = layer.down.product_q8(*ops.silu_mul_q8(layer.gate_up.product_q8(*normed)))
                 continue
             h = add_norm(x, product(layer.o, attn), layer.post_norm, bf16)
             if bf16 and self.silu_tiles:

@@ -38,6 +38,13 @@
 //       panels, n, out_bf16=True)), each gate panel multiplied beside its up panel and the SiLU
 //       taken from the tiles' sums: the [M, n] product is never written (a 1,024-token prefill of
 //       SmolLM2 wrote and read back 6 MB a layer, and the separate silu_mul was ~7% of its time).
+//   linear_panels_i8_silu_q(Tensor xq, Tensor sx, int k, Tensor panels, Tensor corr, Tensor scale, int n)
+//       -> (Tensor, Tensor)
+//       (amx variant only) w8a8's the same: a [gate; up] weight of n rows (n a multiple of 128) in
+//       panels, x as codes (linear_panels_i8_q's xq, sx): the down product's codes and scales, the
+//       bits of silu_mul_q8(linear_panels_i8_q(...)), 4 gate and 4 up panels' tiles at a time (one
+//       group of 64 outputs), never the [M, n] float32 product (1,024-token prefill of SmolLM2
+//       296-323 -> 261-274 ms, 8 x 256 528-551 -> 438-450, alternated, Xeon).
 //   linear_panels_i8(Tensor x, Tensor panels, Tensor corr, Tensor scale, int n, Tensor? bias=None) -> Tensor
 //       w8a8: int8 codes as kernels/linear.py's pack_panels_i8 stores them ([ceil(n / 16),
 //       ceil(K / 64) * 16, 16, 4]; on AVX2 with the sign bit flipped, u = w + 128), corr their
@@ -71,6 +78,7 @@
 #include <atomic>
 #include <cstdint>
 #include <optional>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -475,6 +483,74 @@ at::Tensor linear_panels_i8_q(const at::Tensor& xq, const at::Tensor& sx, int64_
   return y;
 }
 
+#ifdef INFERLAB_AMX
+static_assert(kI8ScaleGroup == kI8Group, "w8a8 on the amx variant: one scale per group of x's codes");
+
+// w8a8's SiLU(gate) * up as the down product's codes, from the gate/up panels' tiles: for the M
+// rows of x's codes (xq, stride ldx; scales sx, stride groups) and the output groups [o0, o1)
+// (each 64 columns: 4 gate panels, their 4 up panels `half` columns on), the products' float32
+// sums of one row tile (amx_tile_i8, as linear_panels_i8_q stores them), silu_mul_row, then
+// quantize_row_u8 of each row's 64 values: the bits of silu_mul_q8(linear_panels_i8_q(...)).
+void amx_silu_q8(const uint8_t* xq, const float* sx, int64_t M, int64_t groups, const int8_t* w, const int32_t* cw,
+                 const float* scale, int64_t half, int64_t o0, int64_t o1, uint8_t* codes, float* scales,
+                 int64_t ldc, int64_t lds) {
+  thread_local std::vector<uint8_t> tail_buf;
+  thread_local std::vector<float> tail_sx;
+  const int64_t ldx = groups * kI8Group, pb = kPanel * ldx;  // a panel's bytes
+  const AmxRows<uint8_t> xr(xq, ldx, M, tail_buf);
+  const AmxRows<float> sr(sx, groups, M, tail_sx);
+  const AmxScope tiles(M);
+  amx_operands_written();
+  alignas(64) float g[16][kI8Group], u[16][kI8Group], act[kI8Group];
+  for (int64_t m = 0; m < M; m += 16) {
+    const int valid = static_cast<int>(std::min<int64_t>(16, M - m));
+    for (int64_t o = o0; o < o1; ++o) {
+      for (int64_t q = 0; q < kI8Group / kPanel; ++q) {
+        const int64_t gp = o * kI8Group / kPanel + q, up = gp + half / kPanel;  // gate panel, its up panel
+        amx_tile_i8(xr.tile(m), ldx, sr.tile(m), groups, groups, w + gp * pb, cw + gp * groups * kPanel, valid, 16,
+                    scale + gp * kPanel, nullptr, &g[0][q * kPanel], kI8Group);
+        amx_tile_i8(xr.tile(m), ldx, sr.tile(m), groups, groups, w + up * pb, cw + up * groups * kPanel, valid, 16,
+                    scale + up * kPanel, nullptr, &u[0][q * kPanel], kI8Group);
+      }
+      for (int i = 0; i < valid; ++i) {
+        inferlab_rows::silu_mul_row(g[i], u[i], kI8Group, act);
+        quantize_row_u8(act, kI8Group, codes + (m + i) * ldc + o * kI8Group, scales + (m + i) * lds + o);
+      }
+    }
+  }
+}
+
+// linear_panels_i8_silu_q(xq, sx, k, panels, corr, scale, n) -> (codes, scales): the down
+// product's x from a w8a8 gate/up weight [gate; up] of n rows (n a multiple of 128), as
+// silu_mul_q8 would make them of linear_panels_i8_q's output, without that [M, n] float32
+// product written and read back.
+std::tuple<at::Tensor, at::Tensor> linear_panels_i8_silu_q(const at::Tensor& xq, const at::Tensor& sx, int64_t k,
+                                                           const at::Tensor& panels, const at::Tensor& corr,
+                                                           const at::Tensor& scale, int64_t n) {
+  const int64_t groups = i8_groups(k);
+  TORCH_CHECK(k > 0 && xq.scalar_type() == at::kByte && xq.dim() == 2 && xq.is_contiguous() &&
+                  xq.size(1) == groups * kI8Group && sx.scalar_type() == at::kFloat && sx.is_contiguous() &&
+                  sx.dim() == 2 && sx.size(0) == xq.size(0) && sx.size(1) == i8_scale_groups(k),
+              "inferlab linear_panels_i8_silu_q: xq, sx must be the codes and scales of ", k, " features");
+  check_i8_panels("linear_panels_i8_silu_q", k, panels, corr, scale, n);
+  TORCH_CHECK(n % (2 * kI8Group) == 0, "inferlab linear_panels_i8_silu_q: n (", n, ") must be a multiple of ",
+              2 * kI8Group);
+  const int64_t M = xq.size(0), half = n / 2, out_groups = half / kI8Group;
+  at::Tensor codes = at::empty({M, half}, xq.options());
+  at::Tensor scales = at::empty({M, out_groups}, sx.options());
+  const uint8_t* qp = xq.data_ptr<uint8_t>();
+  const float* sp = sx.data_ptr<float>();
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  float* op = scales.data_ptr<float>();
+  for_pass_chunks(M, out_groups, [&](int64_t m0, int64_t mm, int64_t o0, int64_t o1) {
+    amx_silu_q8(qp + m0 * groups * kI8Group, sp + m0 * groups, mm, groups, panels.data_ptr<int8_t>(),
+                corr.data_ptr<int32_t>(), scale.data_ptr<float>(), half, o0, o1, cp + m0 * half, op + m0 * out_groups,
+                half, out_groups);
+  }, 1);
+  return {codes, scales};
+}
+#endif
+
 at::Tensor linear_w8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                      const std::optional<at::Tensor>& bias, int64_t mkl_min_rows) {
   TORCH_CHECK(w.scalar_type() == at::kChar, "inferlab linear_w8: w must be int8, got ", w.scalar_type());
@@ -564,6 +640,8 @@ TORCH_LIBRARY_FRAGMENT(inferlab, m) {
 #endif
 #ifdef INFERLAB_AMX
   m.def("linear_panels_silu(Tensor x, Tensor panels, int n) -> Tensor");
+  m.def("linear_panels_i8_silu_q(Tensor xq, Tensor sx, int k, Tensor panels, Tensor corr, Tensor scale, int n) "
+        "-> (Tensor, Tensor)");
 #endif
   m.def("linear_panels_i8(Tensor x, Tensor panels, Tensor corr, Tensor scale, int n, Tensor? bias=None) -> Tensor");
   m.def("linear_panels_i8_q(Tensor xq, Tensor sx, int k, Tensor panels, Tensor corr, Tensor scale, int n, "
@@ -581,6 +659,7 @@ TORCH_LIBRARY_IMPL(inferlab, CPU, m) {
 #endif
 #ifdef INFERLAB_AMX
   m.impl("linear_panels_silu", &linear_panels_silu);
+  m.impl("linear_panels_i8_silu_q", &linear_panels_i8_silu_q);
 #endif
   m.impl("linear_panels_i8", &linear_panels_i8);
   m.impl("linear_panels_i8_q", &linear_panels_i8_q);
