@@ -392,6 +392,14 @@ def test_request_options_reach_the_engine_as_one_object():
         llm.shutdown()
 
 
+def _trimming_llm(factory, idle_trim_delay_s: float) -> AsyncLLM:
+    llm = AsyncLLM(factory)
+    llm.idle_trim_delay_s = idle_trim_delay_s
+    llm.start()
+    assert llm.wait_ready(30)
+    return llm
+
+
 def test_the_heap_is_trimmed_after_the_outputs_are_handed_on():
     """The engine loop calls the engine's trim_heap (LLMEngine's malloc_trim, 13-18 ms) only once a
     step's outputs are on their way: a request's last token never waits for it."""
@@ -407,10 +415,7 @@ def test_the_heap_is_trimmed_after_the_outputs_are_handed_on():
                 trimmed.set()
             return True
 
-    llm = AsyncLLM(Trimming)
-    llm.idle_trim_delay_s = 0.0
-    llm.start()
-    assert llm.wait_ready(30)
+    llm = _trimming_llm(Trimming, idle_trim_delay_s=0.0)
     try:
 
         async def go():
@@ -440,10 +445,7 @@ def test_the_idle_trim_waits_until_the_engine_has_stayed_idle():
                 trimmed.set()
             return True
 
-    llm = AsyncLLM(Trimming)
-    llm.idle_trim_delay_s = 3600.0
-    llm.start()
-    assert llm.wait_ready(30)
+    llm = _trimming_llm(Trimming, idle_trim_delay_s=3600.0)
     try:
 
         async def one(rid: str, n: int) -> None:

@@ -276,6 +276,15 @@ void for_pass_chunks(int64_t M, int64_t blocks, const F& fn, int64_t align) {
 }
 
 #if defined(__AVX512BF16__)
+// A task's panels come in multiples of this: the avx512 kernel's column tiles of 3 panels, the amx
+// variant's 2 x 2 blocks of 2 panels (in 4s: whole 64-byte lines of y). In 3s, a third of the
+// panels of SmolLM2's 576-column products went through 2 x 1 blocks (one B tile a k-step).
+#ifdef INFERLAB_AMX
+constexpr int64_t kPanelsPerChunk = 4;
+#else
+constexpr int64_t kPanelsPerChunk = kPanelsPerTile;
+#endif
+
 // x [M, K] (float32 or bf16) in bf16, rows of kp values (a zero past an odd K): as given when it
 // already is.
 at::Tensor x_in_bf16(const at::Tensor& x2, int64_t kp) {
@@ -320,7 +329,7 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t 
     for_pass_chunks(M, panels.size(0), [&](int64_t m0, int64_t mm, int64_t p0, int64_t p1) {
       const int64_t c0 = p0 * kPanel, c1 = std::min(n, p1 * kPanel);
       panel_products_bf16(xp + m0 * kp, kp, mm, K, wp, c0, c1 - c0, nullptr, bias_p, yp + m0 * n + c0, n, m0 == 0);
-    }, kPanelsPerTile);
+    }, kPanelsPerChunk);
   };
   if (out_bf16) run(y.data_ptr<at::BFloat16>());
   else run(y.data_ptr<float>());
