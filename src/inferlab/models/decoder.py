@@ -185,7 +185,7 @@ class DecoderModel:
                 if not isinstance(self.lm_head, Int4Linear):
                     how += "; embedding / lm_head int8 weight-only"
             elif getattr(e, "bf16_products", False):
-                how += ", bf16 products (vdpbf16ps, weights in panels), float32 sums"
+                how += f", bf16 products ({'tdpbf16ps' if kernel.amx else 'vdpbf16ps'}, weights in panels), float32 sums"
         else:
             why = ((kernel.reason if not kernel.available else "") or "kernels off") if not e.use_kernels else f"{cd} activations"
             how = f"plain torch, dequantized per call: {why}"
