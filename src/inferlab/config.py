@@ -270,7 +270,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     num_threads: int | None = None  # torch intra-op threads (all ranks together); None = all cores
     # Seconds between returns of the C heap's free pages to the OS while busy (and once idle: at
-    # the end of LLM.generate, after 1 s of idle in the server); None = never. Bounds RSS growth from fragmentation (see engine/heap.py).
+    # the end of LLM.generate, after 10 s of idle in the server); None = never. Bounds RSS growth from fragmentation (see engine/heap.py).
     heap_trim_interval_s: float | None = 5.0
     # Sampling defaults for the fields a request leaves out (engine/generation_config.py):
     # "model" | "openai", and a parsed --override-generation-config over them.

@@ -229,9 +229,11 @@ HANDOFF_WAIT_S = 0.01
 # (LLMEngine.trim_heap, engine/heap.py). A trim right at the idle point unmapped the activations'
 # pages that the next request then faulted back in: a client sending one 1,024-token prompt after
 # another paid ~19,500 page faults (~80 MB) per request, 310-330 ms TTFT against 265-300 for the
-# same engine steps without them (Xeon, 2 cores). Idle this long, the server has time to spare;
-# while busy the trimmer's own interval still bounds RSS.
-IDLE_TRIM_DELAY_S = 1.0
+# same engine steps without them (Xeon, 2 cores); 1 s was too short for a client that pauses a
+# second or two between requests (a benchmark launching its next run: ~14,000 faults a request
+# still). Idle this long, the server has time to spare; while busy the trimmer's own interval
+# still bounds RSS.
+IDLE_TRIM_DELAY_S = 10.0
 
 
 def _deliver(items: list[tuple[Mailbox, Any]], taken: threading.Event | None = None) -> None:

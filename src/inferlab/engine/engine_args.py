@@ -183,7 +183,7 @@ _FLAGS: list[tuple[str, tuple[str, ...], dict[str, Any]]] = [
     ("heap_trim_interval_s", ("--heap-trim-interval",),
      dict(type=float, default=_D.heap_trim_interval_s,
           help="seconds between returns of freed C-heap pages to the OS while busy; also once the engine has "
-               "stayed idle 1 s (default 5; a negative value turns it off)")),
+               "stayed idle 10 s (default 5; a negative value turns it off)")),
     ("hf_config_path", ("--hf-config-path",), dict(default=None, help="a config.json for --load-format dummy")),
     ("device", ("--device",), dict(default=_D.device, help="torch device (default cpu)")),
     ("decoder_backend", ("--decoder-backend",),

@@ -7,7 +7,7 @@ thread that allocates. glibc hands back only the top of a heap: the free chunks 
 live ones stay resident, the next step's differently sized tensors split them again, and RSS
 creeps toward the sum of every arena's high-water mark. `malloc_trim(0)` returns the free pages
 of every arena (including those in the middle). Called when the engine goes idle (the server's
-loop waits until it has stayed idle a second: async_llm.IDLE_TRIM_DELAY_S) and at most once per
+loop waits until it has stayed idle 10 s: async_llm.IDLE_TRIM_DELAY_S) and at most once per
 `interval_s` while it is busy, it keeps RSS near live memory plus a step's
 activations. A call walks every arena: 18 ms on average (67 ms at most) for SmolLM2-135M on a
 loaded 2-core machine, so every 5 s it costs under 0.5% of the engine's time.
