@@ -86,22 +86,33 @@ namespace {
 
 using namespace inferlab_matvec;  // row_products, convert_rows, kRowsW
 
-// Runs fn(b0, b1) over [0, blocks) on torch's threads, in chunks taken from a shared counter
-// rather than a fixed share each, so a thread that starts late (another process holds its core:
-// this machine is shared) finds less left to do; the call still waits for it at the end.
-// About 8 chunks per thread: long enough runs that the weights stream linearly (a chunk's
-// start is not prefetched), enough of them to even out a late thread; a multiple of 4 blocks
-// (16 columns), so two threads never write the same 64-byte line of y (false sharing).
+// Runs fn(p, b0, b1) for every pass p in [0, passes) and chunk [b0, b1) of [0, blocks) on torch's
+// threads, in one parallel region, the chunks taken pass by pass from one shared counter rather
+// than a fixed share each, so a thread that starts late (another process holds its core: this
+// machine is shared) finds less left to do; the call still waits for it at the end, but not
+// between passes, which are independent (a region per pass joined its threads 16 times a product
+// at 1,024 rows, ~1,900 times a prefill step of SmolLM2, libgomp's barrier ~9% of the step's
+// samples). About 8 chunks per thread: long enough runs that the weights stream linearly (a
+// chunk's start is not prefetched), enough of them to even out a late thread; a multiple of 4
+// blocks (16 columns), so two threads never write the same 64-byte line of y (false sharing).
 template <typename F>
-void for_block_chunks(int64_t blocks, const F& fn, int64_t align = 4) {
+void for_pass_chunks(int64_t passes, int64_t blocks, const F& fn, int64_t align = 4) {
   const int64_t threads = at::get_num_threads();
   const int64_t chunk = (std::max<int64_t>(1, blocks / (8 * threads)) + align - 1) / align * align;
-  const int64_t tasks = std::min<int64_t>(threads, (blocks + chunk - 1) / chunk);
+  const int64_t per_pass = (blocks + chunk - 1) / chunk, tasks = passes * per_pass;
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
-    for (int64_t b0; (b0 = next.fetch_add(chunk, std::memory_order_relaxed)) < blocks;)
-      fn(b0, std::min(blocks, b0 + chunk));
+  at::parallel_for(0, std::min(threads, tasks), 1, [&](int64_t, int64_t) {
+    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
+      const int64_t b0 = t % per_pass * chunk;
+      fn(t / per_pass, b0, std::min(blocks, b0 + chunk));
+    }
   });
+}
+
+// fn(b0, b1) over [0, blocks): one pass.
+template <typename F>
+void for_block_chunks(int64_t blocks, const F& fn, int64_t align = 4) {
+  for_pass_chunks(1, blocks, [&](int64_t, int64_t b0, int64_t b1) { fn(b0, b1); }, align);
 }
 
 // An optional float32 vector of n values (a scale or a bias), checked: its data, or null.
@@ -255,24 +266,13 @@ at::Tensor linear_w16(const at::Tensor& x, const at::Tensor& w, const std::optio
 // first pass reads the panels from memory (`cold` to panel_products_*), the later ones from L3.
 constexpr int64_t kPanelRowBlock = 64;
 
-// for_block_chunks over [0, blocks) for each pass of kPanelRowBlock rows of M, in one parallel
-// region: fn(m0, rows, b0, b1), the tasks taken pass by pass from one shared counter. Why: a
-// region per pass joined its threads 16 times a product at 1,024 rows, ~1,900 times a prefill step
-// of SmolLM2, each join waiting for the slower thread (libgomp's barrier was ~9% of the step's
-// samples); the passes are independent (their rows of y), so no thread need wait between them.
+// for_pass_chunks over the passes of kPanelRowBlock rows of M: fn(m0, rows, b0, b1).
 template <typename F>
-void for_pass_chunks(int64_t M, int64_t blocks, const F& fn, int64_t align) {
-  const int64_t threads = at::get_num_threads();
-  const int64_t chunk = (std::max<int64_t>(1, blocks / (8 * threads)) + align - 1) / align * align;
-  const int64_t per_pass = (blocks + chunk - 1) / chunk, passes = (M + kPanelRowBlock - 1) / kPanelRowBlock;
-  const int64_t tasks = passes * per_pass;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min(threads, tasks), 1, [&](int64_t, int64_t) {
-    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
-      const int64_t m0 = t / per_pass * kPanelRowBlock, b0 = t % per_pass * chunk;
-      fn(m0, std::min(kPanelRowBlock, M - m0), b0, std::min(blocks, b0 + chunk));
-    }
-  });
+void for_row_passes(int64_t M, int64_t blocks, const F& fn, int64_t align) {
+  for_pass_chunks((M + kPanelRowBlock - 1) / kPanelRowBlock, blocks, [&](int64_t p, int64_t b0, int64_t b1) {
+    const int64_t m0 = p * kPanelRowBlock;
+    fn(m0, std::min(kPanelRowBlock, M - m0), b0, b1);
+  }, align);
 }
 
 #if defined(__AVX512BF16__)
@@ -326,7 +326,7 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t 
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
   const at::BFloat16* wp = panels.data_ptr<at::BFloat16>();
   auto run = [&](auto* yp) {
-    for_pass_chunks(M, panels.size(0), [&](int64_t m0, int64_t mm, int64_t p0, int64_t p1) {
+    for_row_passes(M, panels.size(0), [&](int64_t m0, int64_t mm, int64_t p0, int64_t p1) {
       const int64_t c0 = p0 * kPanel, c1 = std::min(n, p1 * kPanel);
       panel_products_bf16(xp + m0 * kp, kp, mm, K, wp, c0, c1 - c0, nullptr, bias_p, yp + m0 * n + c0, n, m0 == 0);
     }, kPanelsPerChunk);
@@ -384,7 +384,7 @@ at::Tensor linear_panels_silu(const at::Tensor& x, const at::Tensor& panels, int
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   const int64_t gate_panels = half / kPanel;
-  for_pass_chunks(M, gate_panels, [&](int64_t m0, int64_t mm, int64_t p0, int64_t p1) {  // as linear_panels
+  for_row_passes(M, gate_panels, [&](int64_t m0, int64_t mm, int64_t p0, int64_t p1) {  // as linear_panels
     amx_products_silu(xp + m0 * kp, kp, mm, kp, wp + p0 * kPanel * kp, wp + (gate_panels + p0) * kPanel * kp, p1 - p0,
                       yp + m0 * half + p0 * kPanel, half);
   }, kPanelsPerTile);
@@ -437,7 +437,7 @@ void products_i8(const uint8_t* qp, const float* sp, int64_t M, int64_t K, const
     });
     return;
   }
-  for_pass_chunks(M, np, [&](int64_t m0, int64_t mm, int64_t p0, int64_t p1) {
+  for_row_passes(M, np, [&](int64_t m0, int64_t mm, int64_t p0, int64_t p1) {
     const int64_t c0 = p0 * kPanel, c1 = std::min(n, p1 * kPanel);
     panel_products_i8(qp + m0 * ldx, sp + m0 * ls, mm, K, wp, cp, c0, c1 - c0, scp, bias_p, yp + m0 * n + c0, n,
                       m0 == 0, epoch);
@@ -551,7 +551,7 @@ std::tuple<at::Tensor, at::Tensor> linear_panels_i8_silu_q(const at::Tensor& xq,
   const float* sp = sx.data_ptr<float>();
   uint8_t* cp = codes.data_ptr<uint8_t>();
   float* op = scales.data_ptr<float>();
-  for_pass_chunks(M, out_groups, [&](int64_t m0, int64_t mm, int64_t o0, int64_t o1) {
+  for_row_passes(M, out_groups, [&](int64_t m0, int64_t mm, int64_t o0, int64_t o1) {
     amx_silu_q8(qp + m0 * groups * kI8Group, sp + m0 * groups, mm, groups, panels.data_ptr<int8_t>(),
                 corr.data_ptr<int32_t>(), scale.data_ptr<float>(), half, o0, o1, cp + m0 * half, op + m0 * out_groups,
                 half, out_groups);
