@@ -283,7 +283,9 @@ class DecoderModel:
                                    bf16_decode=self.precision.bf16_decode_attention)
             if q8:
                 normed = ops.add_rms_norm_q8_(x, layer.o(attn), layer.post_norm, c.rms_norm_eps)
-                if self.silu_tiles_q8:
+                # A prefill's rows take SiLU from the tiles, as the bf16 path does (a few rows' products
+                # run faster on vpdpbusd than on tiles; the bits are the same either way).
+                if self.silu_tiles_q8 and t >= MKL_MIN_ROWS:
                     delta = layer.down.product_q8(*layer.gate_up.product_silu_q8(*normed))
                 else:
                     delta = layer.down.product_q8(*ops.silu_mul_q8(layer.gate_up.product_q8(*normed)))
