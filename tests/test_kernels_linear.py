@@ -607,6 +607,27 @@ def test_a_rows_products_are_the_same_bits_at_every_row_count(mode):
         torch.testing.assert_close(lin(x[:m]), every[:m], rtol=0, atol=0, msg=f"{m} rows")
 
 
+@needs_kernels
+@pytest.mark.parametrize("mode", ["bf16 panels", "w8a8"])
+def test_many_rows_are_the_passes_of_64_rows_put_together(mode):
+    """Many rows go 64 at a time over the weights, the passes in groups that each chunk of the
+    weights runs through before the next (linear.cpp for_row_passes): 33 passes make several
+    groups on any L2 size (an uneven last one on most), and every row and column must come out
+    once, the bits of that pass alone."""
+    info = build.kernel_info()
+    if mode == "bf16 panels" and not info.bf16_dot:
+        pytest.skip(f"bf16 panels are the AVX512_BF16 variant's layout; this process has {info.variant}")
+    if mode == "w8a8" and not info.int8_dot:
+        pytest.skip(f"w8a8 needs an integer dot product; this process has {info.variant}")
+    n, k = 1024, 576  # 64 panels: 16 chunks a pass on 2 threads
+    stored, int8_x = {"bf16 panels": (torch.bfloat16, False), "w8a8": (torch.int8, True)}[mode]
+    lin = WeightOnlyLinear(_weight(n, k), stored, torch.randn(n), int8_activations=int8_x)
+    x = torch.randn(33 * 64, k, generator=torch.Generator().manual_seed(1))
+    every = lin(x)
+    passes = torch.cat([lin(x[m : m + 64]) for m in range(0, len(x), 64)])
+    torch.testing.assert_close(every, passes, rtol=0, atol=0)
+
+
 def _variant_in_child(variant: str, code: str) -> None:
     env = {**os.environ, "INFERLAB_KERNELS": variant}
     proc = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
