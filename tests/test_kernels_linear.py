@@ -628,6 +628,66 @@ def test_many_rows_are_the_passes_of_64_rows_put_together(mode):
     torch.testing.assert_close(every, passes, rtol=0, atol=0)
 
 
+@pytest.mark.skipif(not build.kernel_info().bf16_dot, reason=f"bf16 panels are the AVX512_BF16 variant's layout; "
+                    f"this process has {build.kernel_info().variant}")
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.float32, torch.int8])
+def test_qkv_product_with_rope_and_the_cache_write_gives_the_two_step_bits(cache_dtype):
+    """product_rope_kv (the rotation and the cache write as the product's epilogue) against
+    product_bf16 in float32 then rope_write_kv: q, k, v and both caches the same bits, at a few
+    rows and over several groups of 64-row passes, tokens at scattered slots and positions."""
+    from inferlab.models.kv_cache import KVCache
+
+    ops = torch.ops.inferlab
+    heads, kv_heads, d, k = 9, 3, 64, 576
+    n = (heads + 2 * kv_heads) * d
+    lin = WeightOnlyLinear(_weight(n, k), torch.bfloat16, bias=torch.randn(n))
+    cos, sin = torch.randn(4096, d), torch.randn(4096, d)
+    for t in (1, 130, 33 * 64):
+        x, positions, slots = torch.randn(t, k), torch.randint(0, 4096, (t,)), torch.randperm(4096)[:t]
+
+        def cache() -> KVCache:
+            scales = (torch.zeros(kv_heads, 4096), torch.zeros(kv_heads, 4096)) if cache_dtype == torch.int8 else (None, None)
+            return KVCache(torch.zeros(kv_heads, 4096, d, dtype=cache_dtype),
+                           torch.zeros(kv_heads, 4096, d, dtype=cache_dtype), *scales)
+
+        fused, two_step = cache(), cache()
+        q, k_rot, v = lin.product_rope_kv(x, positions, cos, sin, fused, slots, heads, kv_heads, d)
+        qkv = lin.product_bf16(x, torch.float32)
+        want_q, want_k = ops.rope_write_kv(qkv, positions, cos, sin, two_step.k, two_step.v, slots, heads, kv_heads, d,
+                                           two_step.k_scale, two_step.v_scale)
+        for got, want in ((q, want_q), (k_rot, want_k), (v, qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)),
+                          (fused.k, two_step.k), (fused.v, two_step.v)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{t} rows")
+        if cache_dtype == torch.int8:
+            assert torch.equal(fused.k_scale, two_step.k_scale) and torch.equal(fused.v_scale, two_step.v_scale)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        ops.linear_panels_rope_kv(torch.randn(2, 64), pack_panels(torch.randn(24 * 3, 64).bfloat16()), None,
+                                  torch.arange(2), torch.randn(8, 24), torch.randn(8, 24),
+                                  torch.zeros(1, 8, 24), torch.zeros(1, 8, 24), torch.arange(2), 1, 1, 24)
+
+
+@pytest.mark.skipif(not build.kernel_info().bf16_dot, reason=f"bf16 panels are the AVX512_BF16 variant's layout; "
+                    f"this process has {build.kernel_info().variant}")
+def test_prefills_with_rope_from_the_qkv_product_give_the_same_logprobs(tmp_path):
+    """The model takes RoPE and the cache write from the qkv product in its bf16 prefill steps
+    (128+ rows): prompt and sampled logprobs the same bits as with rope_write_kv after it."""
+    model = make_tiny_hf_model(tmp_path / "m", arch="llama")
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (140, 200)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    llm = LLM(str(model), num_kv_blocks=128, decoder_backend="fused", enable_prefix_caching=False)
+    forward = llm.engine.runner.model
+    assert forward.rope_tiles
+
+    def run() -> list:
+        return [(r.prompt_logprobs, [(t.token_id, t.logprob) for t, _ in r.outputs[0].logprobs])
+                for r in llm.generate(prompts, params)]
+
+    tiles = run()
+    forward.rope_tiles = False
+    assert run() == tiles
+
+
 def _variant_in_child(variant: str, code: str) -> None:
     env = {**os.environ, "INFERLAB_KERNELS": variant}
     proc = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"

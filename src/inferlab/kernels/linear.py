@@ -29,6 +29,7 @@ from inferlab.kernels import build
 from inferlab.kernels.int4 import INT4, Int4Weight, quantize
 
 if TYPE_CHECKING:
+    from inferlab.models.kv_cache import KVCache
     from inferlab.models.precision import ResolvedPrecision
 
 __all__ = ["DenseLinear", "Int4Linear", "WeightOnlyLinear", "bucket_rows", "linear", "make_linear", "pack_panels",
@@ -294,6 +295,19 @@ class WeightOnlyLinear:
             raise ValueError("product_bf16 needs bf16 weights on a kernel variant with bf16 products")
         return torch.ops.inferlab.linear_panels(x, self.weight, self.out_features, self.bias,
                                                 out_dtype == torch.bfloat16)
+
+    def product_rope_kv(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        cache: KVCache, slots: torch.Tensor, heads: int, kv_heads: int,
+                        head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A qkv weight's product with RoPE and the KV-cache write as its epilogue: (q, k, v),
+        float32 [T, heads or kv_heads, head_dim], q and k rotated, k and v written at `slots`:
+        the bits of product_bf16(x, float32) then fused.cpp's rope_write_kv, without the
+        product written out whole and read back."""
+        if not self.bf16_products:
+            raise ValueError("product_rope_kv needs bf16 weights on a kernel variant with bf16 products")
+        return torch.ops.inferlab.linear_panels_rope_kv(x, self.weight, self.bias, positions, cos, sin, cache.k,
+                                                        cache.v, slots, heads, kv_heads, head_dim, cache.k_scale,
+                                                        cache.v_scale)
 
     def product_silu_bf16(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x @ W_gate^T) * (x @ W_up^T) in bf16 for a [gate; up] weight (`silu_tiles`): the bits

@@ -155,6 +155,10 @@ class DecoderModel:
                                                      for layer in self.layers)
         self.silu_tiles_q8 = self.q8_epilogues and all(getattr(layer.gate_up, "silu_tiles_q8", False)
                                                        for layer in self.layers)
+        # A bf16 prefill's RoPE and KV-cache write are the qkv product's epilogue (kernels/linear.py
+        # product_rope_kv), the same bits as the product then rope_write_kv.
+        self.rope_tiles = (self.bf16_products and self.backends.fused_layers and config.head_dim % 16 == 0
+                           and all(isinstance(layer.qkv, WeightOnlyLinear) for layer in self.layers))
         self._step: object | None = None  # torch.classes.inferlab.DecoderStep, built on first use
         self._step_caches: list | None = None
         line = self.describe_precision()
@@ -263,22 +267,27 @@ class DecoderModel:
             sin = self.sin.index_select(0, positions).unsqueeze(1)
         delta: torch.Tensor | None = None
         for layer, cache in zip(self.layers, kv_caches):
-            if q8 and delta is not None:  # w8a8: the normed rows go over as codes
-                qkv = layer.qkv.product_q8(*ops.add_rms_norm_q8_(x, delta, layer.input_norm, c.rms_norm_eps))
+            if bf16 and self.rope_tiles:  # the qkv product's epilogue rotates q and k and writes the cache
+                q, k, v = layer.qkv.product_rope_kv(add_norm(x, delta, layer.input_norm, bf16), positions, self.cos,
+                                                    self.sin, cache, meta.slot_mapping, c.num_heads, c.num_kv_heads,
+                                                    c.head_dim)
             else:
-                h = add_norm(x, delta, layer.input_norm, bf16)
-                qkv = layer.qkv.product_bf16(h, torch.float32) if bf16 else layer.qkv(h)
-            v = qkv[:, self.q_size + self.kv_size :].view(t, c.num_kv_heads, c.head_dim)  # fresh prompts read it
-            if fused:  # rotate q and k, write k and v into the cache: one operator
-                q, k = ops.rope_write_kv(qkv, positions, self.cos, self.sin, cache.k, cache.v, meta.slot_mapping,
-                                         c.num_heads, c.num_kv_heads, c.head_dim, cache.k_scale, cache.v_scale)
-            else:
-                q = qkv[:, : self.q_size].reshape(t, c.num_heads, c.head_dim)
-                k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(t, c.num_kv_heads, c.head_dim)
-                if layer.q_norm is not None:
-                    q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
-                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-                write_kv(cache, meta.slot_mapping, k, v)
+                if q8 and delta is not None:  # w8a8: the normed rows go over as codes
+                    qkv = layer.qkv.product_q8(*ops.add_rms_norm_q8_(x, delta, layer.input_norm, c.rms_norm_eps))
+                else:
+                    h = add_norm(x, delta, layer.input_norm, bf16)
+                    qkv = layer.qkv.product_bf16(h, torch.float32) if bf16 else layer.qkv(h)
+                v = qkv[:, self.q_size + self.kv_size :].view(t, c.num_kv_heads, c.head_dim)  # fresh prompts read it
+                if fused:  # rotate q and k, write k and v into the cache: one operator
+                    q, k = ops.rope_write_kv(qkv, positions, self.cos, self.sin, cache.k, cache.v, meta.slot_mapping,
+                                             c.num_heads, c.num_kv_heads, c.head_dim, cache.k_scale, cache.v_scale)
+                else:
+                    q = qkv[:, : self.q_size].reshape(t, c.num_heads, c.head_dim)
+                    k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(t, c.num_kv_heads, c.head_dim)
+                    if layer.q_norm is not None:
+                        q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
+                    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+                    write_kv(cache, meta.slot_mapping, k, v)
             attn = paged_attention(q, k, v, cache, meta, self.scale, kv_written=True, prefill=self.prefill_attention,
                                    bf16_decode=self.precision.bf16_decode_attention)
             if q8:

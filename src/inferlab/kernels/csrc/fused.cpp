@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include "matvec.h"  // quantize_row_u8, i8_groups (w8a8's activation codes)
+#include "rope_kv.h"
 #include "rows.h"
 
 #include <optional>
@@ -75,77 +76,19 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   check_f32(qkv, "qkv");
-  check_f32(cos, "cos");
-  check_f32(sin, "sin");
-  const auto cdt = k_cache.scalar_type();
-  TORCH_CHECK(cdt == at::kFloat || cdt == at::kHalf || cdt == at::kBFloat16 || cdt == at::kChar,
-              "k_cache must be float32, float16, bfloat16 or int8, got ", cdt);
-  const bool quant = cdt == at::kChar;
-  TORCH_CHECK(quant == (k_scale.has_value() && k_scale->defined()) && quant == (v_scale.has_value() && v_scale->defined()),
-              "k_scale and v_scale are given exactly when the caches are int8");
-  TORCH_CHECK(v_cache.scalar_type() == cdt, "k_cache and v_cache must share one dtype");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
-  TORCH_CHECK(head_dim % 2 == 0, "head_dim must be even");
-  const int64_t t = qkv.size(0);
-  const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;
-  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == width, "qkv must be [T, (H + 2 kvH) * D]");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == t, "positions must be [T] int64");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == t, "slots must be [T] int64");
-  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == head_dim && sin.sizes() == cos.sizes(), "cos/sin must be [P, D]");
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(0) == num_kv_heads && k_cache.size(2) == head_dim &&
-                  v_cache.sizes() == k_cache.sizes(),
-              "caches must be [kvH, num_slots, D]");
-  if (quant)
-    for (const at::Tensor& sc : {*k_scale, *v_scale})
-      TORCH_CHECK(sc.scalar_type() == at::kFloat && sc.is_contiguous() && sc.dim() == 2 &&
-                      sc.size(0) == num_kv_heads && sc.size(1) == k_cache.size(1),
-                  "the scales must be contiguous float32 [kvH, num_slots]");
-  const at::Tensor pos = positions.contiguous(), sl = slots.contiguous();
-  const int64_t* pp = pos.data_ptr<int64_t>();
-  const int64_t* sp = sl.data_ptr<int64_t>();
-  const int64_t max_pos = cos.size(0), num_slots = k_cache.size(1);
-  for (int64_t i = 0; i < t; ++i) {
-    TORCH_CHECK(pp[i] >= 0 && pp[i] < max_pos, "position ", pp[i], " outside the rope table (", max_pos, ")");
-    TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "slot ", sp[i], " outside the cache (", num_slots, ")");
-  }
-  at::Tensor q = at::empty({t, num_heads, head_dim}, qkv.options());
-  at::Tensor k = at::empty({t, num_kv_heads, head_dim}, qkv.options());
+  const int64_t t = qkv.size(0), heads = num_heads + 2 * num_kv_heads;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == heads * head_dim, "qkv must be [T, (H + 2 kvH) * D]");
+  const inferlab_rope_kv::RopeKv a = inferlab_rope_kv::check_rope_kv(
+      "rope_write_kv", t, positions, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim, k_scale,
+      v_scale, /*with_v=*/false);
   const float* in = qkv.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* snp = sin.data_ptr<float>();
-  float* qp = q.data_ptr<float>();
-  float* kp = k.data_ptr<float>();
-  const int64_t d = head_dim;
-  float* ksc = quant ? k_scale->data_ptr<float>() : nullptr;
-  float* vsc = quant ? v_scale->data_ptr<float>() : nullptr;
-  auto write = [&](auto* kc, auto* vc) {
+  inferlab_rope_kv::dispatch_cache(k_cache, v_cache, [&](auto* kc, auto* vc) {
     at::parallel_for(0, t, 8, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const float* row = in + i * width;
-        const float* c = cp + pp[i] * d;
-        const float* s = snp + pp[i] * d;
-        for (int64_t h = 0; h < num_heads; ++h) rope_row(row + h * d, c, s, qp + (i * num_heads + h) * d, d);
-        const float* krow = row + num_heads * d;
-        const float* vrow = krow + num_kv_heads * d;
-        for (int64_t h = 0; h < num_kv_heads; ++h) {
-          const int64_t srow = h * num_slots + sp[i], off = srow * d;
-          float* kout = kp + (i * num_kv_heads + h) * d;
-          rope_row(krow + h * d, c, s, kout, d);
-          store_kv_row(kout, kc + off, ksc ? ksc + srow : nullptr, d);
-          store_kv_row(vrow + h * d, vc + off, vsc ? vsc + srow : nullptr, d);
-        }
-      }
+      for (int64_t i = begin; i < end; ++i)
+        for (int64_t h = 0; h < heads; ++h) inferlab_rope_kv::rope_kv_head(a, kc, vc, i, h, in + (i * heads + h) * head_dim);
     });
-  };
-  if (cdt == at::kFloat)
-    write(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
-  else if (cdt == at::kHalf)
-    write(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>());
-  else if (cdt == at::kChar)
-    write(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
-  else
-    write(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
-  return {q, k};
+  });
+  return {a.q_t, a.k_t};
 }
 
 // bf16 in and out (the avx512 variant's prefill: gate_up's oneDNN output is bf16 already and the

@@ -72,10 +72,12 @@
 
 #include "matvec.h"
 #include "q4.h"
+#include "rope_kv.h"
 #include "rows.h"
 
 #include <algorithm>
 #include <atomic>
+#include <numeric>
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -356,6 +358,47 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t 
   if (out_bf16) run(y.data_ptr<at::BFloat16>());
   else run(y.data_ptr<float>());
   return y.view(out_sizes);
+}
+
+// The qkv product with RoPE and the cache write as its epilogue: each task's chunk of whole heads
+// is multiplied into a buffer of its own (float32 sums, as linear_panels gives them) and its heads
+// rotated and written from there (rope_kv.h, rope_write_kv's code), while they are in L1. Why:
+// rope_write_kv read the finished [T, (H + 2 kvH) * D] product back from L3 and the other core's
+// L2 (the product's column chunks are shared out, rope's tokens too): 0.8-0.9 ms a layer at 1,024
+// tokens in a prefill against 0.25 with the same arguments in cache.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_panels_rope_kv(
+    const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias, const at::Tensor& positions,
+    const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const std::optional<at::Tensor>& k_scale,
+    const std::optional<at::Tensor>& v_scale) {
+  const char* op = "linear_panels_rope_kv";
+  const int64_t heads = num_heads + 2 * num_kv_heads, n = heads * head_dim;
+  check_bf16_panels(op, x, panels, n);
+  TORCH_CHECK(x.dim() == 2, "inferlab ", op, ": x must be [T, K]");
+  TORCH_CHECK(head_dim > 0 && head_dim % kPanel == 0, "inferlab ", op, ": head_dim (", head_dim,
+              ") must be a multiple of ", kPanel);
+  const int64_t M = x.size(0), K = x.size(1), kp = panel_k(K);
+  const float* bias_p = vector_or_null(bias, n, op, "bias");
+  const inferlab_rope_kv::RopeKv a = inferlab_rope_kv::check_rope_kv(
+      op, M, positions, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim, k_scale, v_scale,
+      /*with_v=*/true);
+  if (M == 0) return {a.q_t, a.k_t, a.v_t};
+  const at::Tensor xb = x_in_bf16(x, kp);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+  const at::BFloat16* wp = panels.data_ptr<at::BFloat16>();
+  const int64_t head_panels = head_dim / kPanel;
+  inferlab_rope_kv::dispatch_cache(k_cache, v_cache, [&](auto* kc, auto* vc) {
+    for_row_passes(M, panels.size(0), [&](int64_t m0, int64_t mm, int64_t p0, int64_t p1) {
+      thread_local std::vector<float> buf;
+      const int64_t c0 = p0 * kPanel, cols = std::min(n, p1 * kPanel) - c0;  // whole heads (the chunks' align)
+      buf.resize(mm * cols);
+      panel_products_bf16(xp + m0 * kp, kp, mm, K, wp, c0, cols, nullptr, bias_p, buf.data(), cols, m0 == 0);
+      for (int64_t i = 0; i < mm; ++i)
+        for (int64_t h = c0 / head_dim; h < (c0 + cols) / head_dim; ++h)
+          inferlab_rope_kv::rope_kv_head(a, kc, vc, m0 + i, h, buf.data() + i * cols + h * head_dim - c0);
+    }, std::lcm(kPanelsPerChunk, head_panels), kp * 2);
+  });
+  return {a.q_t, a.k_t, a.v_t};
 }
 
 #ifdef INFERLAB_AMX
@@ -668,6 +711,9 @@ TORCH_LIBRARY_FRAGMENT(inferlab, m) {
   m.def("linear_w4(Tensor x, Tensor codes, Tensor dm, Tensor? bias=None, int mkl_min_rows=128) -> Tensor");
 #if defined(__AVX512BF16__)
   m.def("linear_panels(Tensor x, Tensor panels, int n, Tensor? bias=None, bool out_bf16=False) -> Tensor");
+  m.def("linear_panels_rope_kv(Tensor x, Tensor panels, Tensor? bias, Tensor positions, Tensor cos, Tensor sin, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int H, int kvH, int D, Tensor? k_scale=None, "
+        "Tensor? v_scale=None) -> (Tensor, Tensor, Tensor)");
 #endif
 #ifdef INFERLAB_AMX
   m.def("linear_panels_silu(Tensor x, Tensor panels, int n) -> Tensor");
@@ -687,6 +733,7 @@ TORCH_LIBRARY_IMPL(inferlab, CPU, m) {
   m.impl("linear_w4", &linear_w4);
 #if defined(__AVX512BF16__)
   m.impl("linear_panels", &linear_panels);
+  m.impl("linear_panels_rope_kv", &linear_panels_rope_kv);
 #endif
 #ifdef INFERLAB_AMX
   m.impl("linear_panels_silu", &linear_panels_silu);
