@@ -628,19 +628,25 @@ def test_many_rows_are_the_passes_of_64_rows_put_together(mode):
     torch.testing.assert_close(every, passes, rtol=0, atol=0)
 
 
-@pytest.mark.skipif(not build.kernel_info().bf16_dot, reason=f"bf16 panels are the AVX512_BF16 variant's layout; "
-                    f"this process has {build.kernel_info().variant}")
+@needs_kernels
+@pytest.mark.parametrize("mode", ["bf16 panels", "w8a8"])
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.float32, torch.int8])
-def test_qkv_product_with_rope_and_the_cache_write_gives_the_two_step_bits(cache_dtype):
-    """product_rope_kv (the rotation and the cache write as the product's epilogue) against
-    product_bf16 in float32 then rope_write_kv: q, k, v and both caches the same bits, at a few
-    rows and over several groups of 64-row passes, tokens at scattered slots and positions."""
+def test_qkv_product_with_rope_and_the_cache_write_gives_the_two_step_bits(mode, cache_dtype):
+    """product_rope_kv / _q8 (the rotation and the cache write as the product's epilogue) against
+    the product in float32 then rope_write_kv: q, k, v and both caches the same bits, at a few rows
+    and over several groups of 64-row passes, tokens at scattered slots and positions."""
     from inferlab.models.kv_cache import KVCache
 
+    info = build.kernel_info()
+    if mode == "bf16 panels" and not info.bf16_dot:
+        pytest.skip(f"bf16 panels are the AVX512_BF16 variant's layout; this process has {info.variant}")
+    if mode == "w8a8" and not info.int8_dot:
+        pytest.skip(f"w8a8 needs an integer dot product; this process has {info.variant}")
     ops = torch.ops.inferlab
     heads, kv_heads, d, k = 9, 3, 64, 576
     n = (heads + 2 * kv_heads) * d
-    lin = WeightOnlyLinear(_weight(n, k), torch.bfloat16, bias=torch.randn(n))
+    w8a8 = mode == "w8a8"
+    lin = WeightOnlyLinear(_weight(n, k), torch.int8 if w8a8 else torch.bfloat16, torch.randn(n), int8_activations=w8a8)
     cos, sin = torch.randn(4096, d), torch.randn(4096, d)
     for t in (1, 130, 33 * 64):
         x, positions, slots = torch.randn(t, k), torch.randint(0, 4096, (t,)), torch.randperm(4096)[:t]
@@ -651,41 +657,55 @@ def test_qkv_product_with_rope_and_the_cache_write_gives_the_two_step_bits(cache
                            torch.zeros(kv_heads, 4096, d, dtype=cache_dtype), *scales)
 
         fused, two_step = cache(), cache()
-        q, k_rot, v = lin.product_rope_kv(x, positions, cos, sin, fused, slots, heads, kv_heads, d)
-        qkv = lin.product_bf16(x, torch.float32)
-        want_q, want_k = ops.rope_write_kv(qkv, positions, cos, sin, two_step.k, two_step.v, slots, heads, kv_heads, d,
+        rope = (positions, cos, sin)
+        if w8a8:
+            codes = ops.add_rms_norm_q8_(x, torch.randn(t, k), torch.ones(k), 1e-5)
+            q, k_rot, v = lin.product_rope_kv_q8(*codes, *rope, fused, slots, heads, kv_heads, d)
+            qkv = lin.product_q8(*codes)
+        else:
+            q, k_rot, v = lin.product_rope_kv(x, *rope, fused, slots, heads, kv_heads, d)
+            qkv = lin.product_bf16(x, torch.float32)
+        want_q, want_k = ops.rope_write_kv(qkv, *rope, two_step.k, two_step.v, slots, heads, kv_heads, d,
                                            two_step.k_scale, two_step.v_scale)
         for got, want in ((q, want_q), (k_rot, want_k), (v, qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)),
                           (fused.k, two_step.k), (fused.v, two_step.v)):
             torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{t} rows")
         if cache_dtype == torch.int8:
             assert torch.equal(fused.k_scale, two_step.k_scale) and torch.equal(fused.v_scale, two_step.v_scale)
-    with pytest.raises(RuntimeError, match="head_dim"):
-        ops.linear_panels_rope_kv(torch.randn(2, 64), pack_panels(torch.randn(24 * 3, 64).bfloat16()), None,
-                                  torch.arange(2), torch.randn(8, 24), torch.randn(8, 24),
-                                  torch.zeros(1, 8, 24), torch.zeros(1, 8, 24), torch.arange(2), 1, 1, 24)
 
 
 @pytest.mark.skipif(not build.kernel_info().bf16_dot, reason=f"bf16 panels are the AVX512_BF16 variant's layout; "
                     f"this process has {build.kernel_info().variant}")
+def test_qkv_product_with_rope_refuses_a_head_dim_of_part_panels():
+    with pytest.raises(RuntimeError, match="head_dim"):
+        torch.ops.inferlab.linear_panels_rope_kv(
+            torch.randn(2, 64), pack_panels(torch.randn(24 * 3, 64).bfloat16()), None, torch.arange(2),
+            torch.randn(8, 24), torch.randn(8, 24), torch.zeros(1, 8, 24), torch.zeros(1, 8, 24), torch.arange(2), 1, 1, 24)
+
+
+@pytest.mark.skipif(not build.kernel_info().bf16_dot, reason=f"bf16 panels and w8a8's panels with their epilogues are "
+                    f"the AVX-512 variants'; this process has {build.kernel_info().variant}")
 def test_prefills_with_rope_from_the_qkv_product_give_the_same_logprobs(tmp_path):
     """The model takes RoPE and the cache write from the qkv product in its bf16 prefill steps
-    (128+ rows): prompt and sampled logprobs the same bits as with rope_write_kv after it."""
+    (128+ rows) and in w8a8's steps off the decode step: prompt and sampled logprobs the same bits
+    as with rope_write_kv after the product."""
     model = make_tiny_hf_model(tmp_path / "m", arch="llama")
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (140, 200)]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=1)
-    llm = LLM(str(model), num_kv_blocks=128, decoder_backend="fused", enable_prefix_caching=False)
-    forward = llm.engine.runner.model
-    assert forward.rope_tiles
 
-    def run() -> list:
+    def run(llm: LLM) -> list:
         return [(r.prompt_logprobs, [(t.token_id, t.logprob) for t, _ in r.outputs[0].logprobs])
                 for r in llm.generate(prompts, params)]
 
-    tiles = run()
-    forward.rope_tiles = False
-    assert run() == tiles
+    for weights, flag in (("auto", "rope_tiles"), ("w8a8", "rope_tiles_q8")):
+        llm = LLM(str(model), weight_dtype=weights, num_kv_blocks=128, decoder_backend="fused",
+                  enable_prefix_caching=False)
+        forward = llm.engine.runner.model
+        assert getattr(forward, flag), weights
+        tiles = run(llm)
+        setattr(forward, flag, False)
+        assert run(llm) == tiles, weights
 
 
 def _variant_in_child(variant: str, code: str) -> None:

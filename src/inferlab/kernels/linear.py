@@ -309,6 +309,16 @@ class WeightOnlyLinear:
                                                         cache.v, slots, heads, kv_heads, head_dim, cache.k_scale,
                                                         cache.v_scale)
 
+    def product_rope_kv_q8(self, xq: torch.Tensor, sx: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                           sin: torch.Tensor, cache: KVCache, slots: torch.Tensor, heads: int, kv_heads: int,
+                           head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """w8a8's product_rope_kv from x's codes: the bits of product_q8 then rope_write_kv."""
+        if not self.i8_panels:
+            raise ValueError("product_rope_kv_q8 needs w8a8 weights (in panels)")
+        return torch.ops.inferlab.linear_panels_i8_q_rope_kv(
+            xq, sx, self.in_features, self.weight, self.row_sums, self.scale, self.bias, positions, cos, sin, cache.k,
+            cache.v, slots, heads, kv_heads, head_dim, cache.k_scale, cache.v_scale)
+
     def product_silu_bf16(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x @ W_gate^T) * (x @ W_up^T) in bf16 for a [gate; up] weight (`silu_tiles`): the bits
         of silu_mul(product_bf16(x)), without the [M, 2I] product written out and read back."""

@@ -155,10 +155,12 @@ class DecoderModel:
                                                      for layer in self.layers)
         self.silu_tiles_q8 = self.q8_epilogues and all(getattr(layer.gate_up, "silu_tiles_q8", False)
                                                        for layer in self.layers)
-        # A bf16 prefill's RoPE and KV-cache write are the qkv product's epilogue (kernels/linear.py
-        # product_rope_kv), the same bits as the product then rope_write_kv.
-        self.rope_tiles = (self.bf16_products and self.backends.fused_layers and config.head_dim % 16 == 0
+        # A bf16 prefill's (and w8a8's steps') RoPE and KV-cache write are the qkv product's epilogue
+        # (kernels/linear.py product_rope_kv, _q8), the same bits as the product then rope_write_kv.
+        whole_heads = self.backends.fused_layers and config.head_dim % 16 == 0
+        self.rope_tiles = (self.bf16_products and whole_heads
                            and all(isinstance(layer.qkv, WeightOnlyLinear) for layer in self.layers))
+        self.rope_tiles_q8 = self.q8_epilogues and whole_heads
         self._step: object | None = None  # torch.classes.inferlab.DecoderStep, built on first use
         self._step_caches: list | None = None
         line = self.describe_precision()
@@ -267,10 +269,12 @@ class DecoderModel:
             sin = self.sin.index_select(0, positions).unsqueeze(1)
         delta: torch.Tensor | None = None
         for layer, cache in zip(self.layers, kv_caches):
+            rope = (positions, self.cos, self.sin, cache, meta.slot_mapping, c.num_heads, c.num_kv_heads, c.head_dim)
             if bf16 and self.rope_tiles:  # the qkv product's epilogue rotates q and k and writes the cache
-                q, k, v = layer.qkv.product_rope_kv(add_norm(x, delta, layer.input_norm, bf16), positions, self.cos,
-                                                    self.sin, cache, meta.slot_mapping, c.num_heads, c.num_kv_heads,
-                                                    c.head_dim)
+                q, k, v = layer.qkv.product_rope_kv(add_norm(x, delta, layer.input_norm, bf16), *rope)
+            elif q8 and delta is not None and self.rope_tiles_q8:
+                q, k, v = layer.qkv.product_rope_kv_q8(*ops.add_rms_norm_q8_(x, delta, layer.input_norm, c.rms_norm_eps),
+                                                       *rope)
             else:
                 if q8 and delta is not None:  # w8a8: the normed rows go over as codes
                     qkv = layer.qkv.product_q8(*ops.add_rms_norm_q8_(x, delta, layer.input_norm, c.rms_norm_eps))

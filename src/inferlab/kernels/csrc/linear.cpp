@@ -299,6 +299,35 @@ void for_row_passes(int64_t M, int64_t blocks, const F& fn, int64_t align, int64
   }, align, group);
 }
 
+// The qkv product with RoPE and the cache write as its epilogue (linear_panels_rope_kv and w8a8's
+// linear_panels_i8_q_rope_kv): each task's chunk of whole heads is multiplied into a buffer of
+// its own (float32 sums, as the plain product gives them) by product(m0, rows, c0, cols, buf) and
+// its heads rotated and written from there (rope_kv.h, rope_write_kv's code) while they are in
+// L1. Why: rope_write_kv read the finished [T, (H + 2 kvH) * D] product back from L3 and the
+// other core's L2 (the product's column chunks are shared out, rope's tokens too): 0.8-0.9 ms a
+// layer at 1,024 tokens in a prefill against 0.25 with the same arguments in cache.
+template <typename Product>
+void products_rope_kv(const inferlab_rope_kv::RopeKv& a, at::Tensor& k_cache, at::Tensor& v_cache, int64_t blocks,
+                      int64_t align, int64_t x_row_bytes, const Product& product) {
+  const int64_t n = (a.heads + 2 * a.kv_heads) * a.d, head_panels = a.d / kPanel;
+  inferlab_rope_kv::dispatch_cache(k_cache, v_cache, [&](auto* kc, auto* vc) {
+    for_row_passes(a.t, blocks, [&](int64_t m0, int64_t mm, int64_t p0, int64_t p1) {
+      thread_local std::vector<float> buf;
+      const int64_t c0 = p0 * kPanel, cols = std::min(n, p1 * kPanel) - c0;  // whole heads (the chunks' align)
+      buf.resize(mm * cols);
+      product(m0, mm, c0, cols, buf.data());
+      for (int64_t i = 0; i < mm; ++i)
+        for (int64_t h = c0 / a.d; h < (c0 + cols) / a.d; ++h)
+          inferlab_rope_kv::rope_kv_head(a, kc, vc, m0 + i, h, buf.data() + i * cols + h * a.d - c0);
+    }, std::lcm(align, head_panels), x_row_bytes);
+  });
+}
+
+void check_rope_head_dim(const char* op, int64_t head_dim) {
+  TORCH_CHECK(head_dim > 0 && head_dim % kPanel == 0, "inferlab ", op, ": head_dim (", head_dim,
+              ") must be a multiple of ", kPanel);
+}
+
 #if defined(__AVX512BF16__)
 // A task's panels come in multiples of this: the avx512 kernel's column tiles of 3 panels, the amx
 // variant's 2 x 2 blocks of 2 panels (in 4s: whole 64-byte lines of y). In 3s, a third of the
@@ -360,46 +389,32 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t 
   return y.view(out_sizes);
 }
 
-// The qkv product with RoPE and the cache write as its epilogue: each task's chunk of whole heads
-// is multiplied into a buffer of its own (float32 sums, as linear_panels gives them) and its heads
-// rotated and written from there (rope_kv.h, rope_write_kv's code), while they are in L1. Why:
-// rope_write_kv read the finished [T, (H + 2 kvH) * D] product back from L3 and the other core's
-// L2 (the product's column chunks are shared out, rope's tokens too): 0.8-0.9 ms a layer at 1,024
-// tokens in a prefill against 0.25 with the same arguments in cache.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_panels_rope_kv(
     const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias, const at::Tensor& positions,
     const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const std::optional<at::Tensor>& k_scale,
     const std::optional<at::Tensor>& v_scale) {
   const char* op = "linear_panels_rope_kv";
-  const int64_t heads = num_heads + 2 * num_kv_heads, n = heads * head_dim;
+  const int64_t n = (num_heads + 2 * num_kv_heads) * head_dim;
   check_bf16_panels(op, x, panels, n);
   TORCH_CHECK(x.dim() == 2, "inferlab ", op, ": x must be [T, K]");
-  TORCH_CHECK(head_dim > 0 && head_dim % kPanel == 0, "inferlab ", op, ": head_dim (", head_dim,
-              ") must be a multiple of ", kPanel);
-  const int64_t M = x.size(0), K = x.size(1), kp = panel_k(K);
+  check_rope_head_dim(op, head_dim);
+  const int64_t K = x.size(1), kp = panel_k(K);
   const float* bias_p = vector_or_null(bias, n, op, "bias");
   const inferlab_rope_kv::RopeKv a = inferlab_rope_kv::check_rope_kv(
-      op, M, positions, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim, k_scale, v_scale,
+      op, x.size(0), positions, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim, k_scale, v_scale,
       /*with_v=*/true);
-  if (M == 0) return {a.q_t, a.k_t, a.v_t};
+  if (a.t == 0) return {a.q_t, a.k_t, a.v_t};
   const at::Tensor xb = x_in_bf16(x, kp);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
   const at::BFloat16* wp = panels.data_ptr<at::BFloat16>();
-  const int64_t head_panels = head_dim / kPanel;
-  inferlab_rope_kv::dispatch_cache(k_cache, v_cache, [&](auto* kc, auto* vc) {
-    for_row_passes(M, panels.size(0), [&](int64_t m0, int64_t mm, int64_t p0, int64_t p1) {
-      thread_local std::vector<float> buf;
-      const int64_t c0 = p0 * kPanel, cols = std::min(n, p1 * kPanel) - c0;  // whole heads (the chunks' align)
-      buf.resize(mm * cols);
-      panel_products_bf16(xp + m0 * kp, kp, mm, K, wp, c0, cols, nullptr, bias_p, buf.data(), cols, m0 == 0);
-      for (int64_t i = 0; i < mm; ++i)
-        for (int64_t h = c0 / head_dim; h < (c0 + cols) / head_dim; ++h)
-          inferlab_rope_kv::rope_kv_head(a, kc, vc, m0 + i, h, buf.data() + i * cols + h * head_dim - c0);
-    }, std::lcm(kPanelsPerChunk, head_panels), kp * 2);
-  });
+  products_rope_kv(a, k_cache, v_cache, panels.size(0), kPanelsPerChunk, kp * 2,
+                   [&](int64_t m0, int64_t mm, int64_t c0, int64_t cols, float* buf) {
+                     panel_products_bf16(xp + m0 * kp, kp, mm, K, wp, c0, cols, nullptr, bias_p, buf, cols, m0 == 0);
+                   });
   return {a.q_t, a.k_t, a.v_t};
 }
+
 
 #ifdef INFERLAB_AMX
 // silu(gate) * up from the gate/up panels' tiles, for M rows of x (bf16, stride ldx) and the
@@ -555,6 +570,41 @@ at::Tensor linear_panels_i8_q(const at::Tensor& xq, const at::Tensor& sx, int64_
   if (M > 0) products_i8(xq.data_ptr<uint8_t>(), sx.data_ptr<float>(), M, k, panels, corr, scale, n, bias_p,
                          y.data_ptr<float>());
   return y;
+}
+
+// w8a8's the same from x's codes (as linear_panels_i8_q takes them).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_panels_i8_q_rope_kv(
+    const at::Tensor& xq, const at::Tensor& sx, int64_t k, const at::Tensor& panels, const at::Tensor& corr,
+    const at::Tensor& scale, const std::optional<at::Tensor>& bias, const at::Tensor& positions, const at::Tensor& cos,
+    const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, const std::optional<at::Tensor>& k_scale,
+    const std::optional<at::Tensor>& v_scale) {
+  const char* op = "linear_panels_i8_q_rope_kv";
+  const int64_t groups = i8_groups(k), ls = i8_scale_groups(k), ldx = groups * kI8Group;
+  const int64_t n = (num_heads + 2 * num_kv_heads) * head_dim;
+  TORCH_CHECK(k > 0 && xq.scalar_type() == at::kByte && xq.dim() == 2 && xq.is_contiguous() && xq.size(1) == ldx &&
+                  sx.scalar_type() == at::kFloat && sx.is_contiguous() && sx.dim() == 2 &&
+                  sx.size(0) == xq.size(0) && sx.size(1) == ls,
+              "inferlab ", op, ": xq, sx must be the codes and scales of ", k, " features");
+  check_i8_panels(op, k, panels, corr, scale, n);
+  check_rope_head_dim(op, head_dim);
+  const float* bias_p = vector_or_null(bias, n, op, "bias");
+  const inferlab_rope_kv::RopeKv a = inferlab_rope_kv::check_rope_kv(
+      op, xq.size(0), positions, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim, k_scale,
+      v_scale, /*with_v=*/true);
+  if (a.t == 0) return {a.q_t, a.k_t, a.v_t};
+  const uint64_t epoch = next_x_epoch();  // these codes, for every call below
+  const uint8_t* qp = xq.data_ptr<uint8_t>();
+  const float* sp = sx.data_ptr<float>();
+  const int8_t* wp = panels.data_ptr<int8_t>();
+  const int32_t* cp = corr.data_ptr<int32_t>();
+  const float* scp = scale.data_ptr<float>();
+  products_rope_kv(a, k_cache, v_cache, (n + kPanel - 1) / kPanel, kPanelsPerTileI8, ldx,
+                   [&](int64_t m0, int64_t mm, int64_t c0, int64_t cols, float* buf) {
+                     panel_products_i8(qp + m0 * ldx, sp + m0 * ls, mm, k, wp, cp, c0, cols, scp, bias_p, buf, cols,
+                                       m0 == 0, epoch);
+                   });
+  return {a.q_t, a.k_t, a.v_t};
 }
 
 #ifdef INFERLAB_AMX
@@ -723,6 +773,9 @@ TORCH_LIBRARY_FRAGMENT(inferlab, m) {
   m.def("linear_panels_i8(Tensor x, Tensor panels, Tensor corr, Tensor scale, int n, Tensor? bias=None) -> Tensor");
   m.def("linear_panels_i8_q(Tensor xq, Tensor sx, int k, Tensor panels, Tensor corr, Tensor scale, int n, "
         "Tensor? bias=None) -> Tensor");
+  m.def("linear_panels_i8_q_rope_kv(Tensor xq, Tensor sx, int k, Tensor panels, Tensor corr, Tensor scale, "
+        "Tensor? bias, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slots, int H, int kvH, int D, Tensor? k_scale=None, Tensor? v_scale=None) -> (Tensor, Tensor, Tensor)");
   m.def("w8a8_numerics", &w8a8_numerics);
 }
 
@@ -741,4 +794,5 @@ TORCH_LIBRARY_IMPL(inferlab, CPU, m) {
 #endif
   m.impl("linear_panels_i8", &linear_panels_i8);
   m.impl("linear_panels_i8_q", &linear_panels_i8_q);
+  m.impl("linear_panels_i8_q_rope_kv", &linear_panels_i8_q_rope_kv);
 }
