@@ -32,6 +32,13 @@
 //       vdpbf16ps: x (float32 or bf16) rounded to bf16, float32 sums, the output float32 or
 //       rounded to bf16. Many rows go 64 at a time over the weights (kPanelRowBlock); against
 //       oneDNN's bf16 GEMM on the [N, K] matrix: 0.9-1.0x at 512 rows, and one copy of the weights.
+//   linear_panels_rope_kv(Tensor x, Tensor panels, Tensor? bias, Tensor positions, Tensor cos, Tensor sin,
+//                         Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int H, int kvH, int D,
+//                         Tensor? k_scale=None, Tensor? v_scale=None) -> (Tensor q, Tensor k, Tensor v)
+//       (AVX-512 BF16 variant only) a qkv weight's linear_panels (float32 out) with fused.cpp's
+//       rope_write_kv as its epilogue, chunk by chunk of whole heads (D a multiple of 16): q, k
+//       rotated, v, each float32 [T, heads, D], k and v written into the caches at `slots`; the
+//       same bits as the two operators one after the other (csrc/rope_kv.h holds the shared code).
 //   linear_panels_silu(Tensor x, Tensor panels, int n) -> Tensor
 //       (amx variant only) a gate/up weight [gate; up] of n rows (n a multiple of 32) in panels:
 //       silu(x W_gate^T) * (x W_up^T), bf16 [..., n / 2], the bits of silu_mul(linear_panels(x,
@@ -57,6 +64,9 @@
 //       the same product from x already quantized: xq uint8 [M, ceil(k / 64) * 64]
 //       (q + 128, padded with 128), sx float32 [M, ceil(k / 64) * 64 / group] (fused.cpp's *_q8
 //       operators).
+//   linear_panels_i8_q_rope_kv(Tensor xq, Tensor sx, int k, Tensor panels, Tensor corr, Tensor scale, Tensor? bias,
+//                              <linear_panels_rope_kv's arguments from positions on>) -> (Tensor, Tensor, Tensor)
+//       w8a8's the same: linear_panels_i8_q with rope_write_kv as its epilogue.
 //   w8a8_numerics() -> int[]
 //       what this build's w8a8 does, for kernels/build.py to check against what it reports:
 //       [x values per scale, x's largest code, the panels' xor on the codes (0 or 128), values
