@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from epilogue_checks import assert_same_logprobs_with_the_path_off
 
 from inferlab import LLM, SamplingParams
 from inferlab.kernels import build
@@ -166,20 +167,4 @@ def test_prefills_with_silu_from_the_tiles_give_the_same_logprobs(tmp_path):
     """The model takes SiLU(gate) * up from the tiles in its bf16 prefill steps (128+ rows), and
     w8a8's in every step off the decode step: prompt and sampled logprobs the same bits as with
     the product then silu_mul (silu_mul_q8)."""
-    model = make_tiny_hf_model(tmp_path / "m", arch="llama")
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (140, 200)]
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=1)
-
-    def run(llm: LLM) -> list:
-        return [(r.prompt_logprobs, [(t.token_id, t.logprob) for t, _ in r.outputs[0].logprobs])
-                for r in llm.generate(prompts, params)]
-
-    for weights, flag in (("auto", "silu_tiles"), ("w8a8", "silu_tiles_q8")):
-        llm = LLM(str(model), weight_dtype=weights, num_kv_blocks=128, decoder_backend="fused",
-                  enable_prefix_caching=False)
-        forward = llm.engine.runner.model
-        assert getattr(forward, flag), weights
-        tiles = run(llm)
-        setattr(forward, flag, False)
-        assert run(llm) == tiles, weights
+    assert_same_logprobs_with_the_path_off(tmp_path, (("auto", "silu_tiles"), ("w8a8", "silu_tiles_q8")))

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from epilogue_checks import assert_same_logprobs_with_the_path_off
 from kernel_marks import needs_int8_dot
 
 from inferlab import LLM, SamplingParams
@@ -689,23 +690,7 @@ def test_prefills_with_rope_from_the_qkv_product_give_the_same_logprobs(tmp_path
     """The model takes RoPE and the cache write from the qkv product in its bf16 prefill steps
     (128+ rows) and in w8a8's steps off the decode step: prompt and sampled logprobs the same bits
     as with rope_write_kv after the product."""
-    model = make_tiny_hf_model(tmp_path / "m", arch="llama")
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (140, 200)]
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=1)
-
-    def run(llm: LLM) -> list:
-        return [(r.prompt_logprobs, [(t.token_id, t.logprob) for t, _ in r.outputs[0].logprobs])
-                for r in llm.generate(prompts, params)]
-
-    for weights, flag in (("auto", "rope_tiles"), ("w8a8", "rope_tiles_q8")):
-        llm = LLM(str(model), weight_dtype=weights, num_kv_blocks=128, decoder_backend="fused",
-                  enable_prefix_caching=False)
-        forward = llm.engine.runner.model
-        assert getattr(forward, flag), weights
-        tiles = run(llm)
-        setattr(forward, flag, False)
-        assert run(llm) == tiles, weights
+    assert_same_logprobs_with_the_path_off(tmp_path, (("auto", "rope_tiles"), ("w8a8", "rope_tiles_q8")))
 
 
 def _variant_in_child(variant: str, code: str) -> None:
