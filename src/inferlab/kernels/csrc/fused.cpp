@@ -85,7 +85,8 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at
   inferlab_rope_kv::dispatch_cache(k_cache, v_cache, [&](auto* kc, auto* vc) {
     at::parallel_for(0, t, 8, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i)
-        for (int64_t h = 0; h < heads; ++h) inferlab_rope_kv::rope_kv_head(a, kc, vc, i, h, in + (i * heads + h) * head_dim);
+        for (int64_t h = 0; h < heads; ++h)
+          inferlab_rope_kv::rope_kv_head(a, kc, vc, i, h, in + (i * heads + h) * head_dim);
     });
   });
   return {a.q_t, a.k_t};

@@ -87,8 +87,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <numeric>
 #include <cstdint>
+#include <numeric>
 #include <optional>
 #include <tuple>
 #include <type_traits>
@@ -101,10 +101,11 @@ namespace {
 using namespace inferlab_matvec;  // row_products, convert_rows, kRowsW
 
 // Runs fn(p, b0, b1) for every pass p in [0, passes) and chunk [b0, b1) of [0, blocks) on torch's
-// threads, in one parallel region, taken from one shared counter rather than a fixed share each:
-// the passes in groups of `group`, and within a group chunk by chunk, each chunk's passes one
-// after the other (for_row_passes: the chunk's weights stay in cache for them); so a thread that starts late (another process holds its core: this
-// machine is shared) finds less left to do; the call still waits for it at the end, but not
+// threads, in one parallel region: the passes in groups of `group`, within a group chunk by
+// chunk, each chunk's passes one after the other (for_row_passes: the chunk's weights stay in
+// cache for them). The tasks are taken from one shared counter rather than a fixed share each,
+// so a thread that starts late (another process holds its core: this machine is shared) finds
+// less left to do; the call still waits for it at the end, but not
 // between passes, which are independent (a region per pass joined its threads 16 times a product
 // at 1,024 rows, ~1,900 times a prefill step of SmolLM2, libgomp's barrier ~9% of the step's
 // samples). About 8 chunks per thread: long enough runs that the weights stream linearly (a
@@ -424,7 +425,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_panels_rope_kv(
                    });
   return {a.q_t, a.k_t, a.v_t};
 }
-
 
 #ifdef INFERLAB_AMX
 // silu(gate) * up from the gate/up panels' tiles, for M rows of x (bf16, stride ldx) and the

@@ -8,9 +8,9 @@
 
 #include "rows.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
-#include <tuple>
 
 namespace inferlab_rope_kv {
 
@@ -44,7 +44,8 @@ inline RopeKv check_rope_kv(const char* op, int64_t t, const at::Tensor& positio
   TORCH_CHECK(cdt == at::kFloat || cdt == at::kHalf || cdt == at::kBFloat16 || cdt == at::kChar,
               op, ": k_cache must be float32, float16, bfloat16 or int8, got ", cdt);
   const bool quant = cdt == at::kChar;
-  TORCH_CHECK(quant == (k_scale.has_value() && k_scale->defined()) && quant == (v_scale.has_value() && v_scale->defined()),
+  TORCH_CHECK(quant == (k_scale.has_value() && k_scale->defined()) &&
+                  quant == (v_scale.has_value() && v_scale->defined()),
               op, ": k_scale and v_scale are given exactly when the caches are int8");
   TORCH_CHECK(v_cache.scalar_type() == cdt, op, ": k_cache and v_cache must share one dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), op, ": the caches must be contiguous");
@@ -66,7 +67,8 @@ inline RopeKv check_rope_kv(const char* op, int64_t t, const at::Tensor& positio
   a.pos = a.pos_t.data_ptr<int64_t>(), a.slots = a.slots_t.data_ptr<int64_t>();
   const int64_t max_pos = cos.size(0);
   for (int64_t i = 0; i < t; ++i) {
-    TORCH_CHECK(a.pos[i] >= 0 && a.pos[i] < max_pos, op, ": position ", a.pos[i], " outside the rope table (", max_pos, ")");
+    TORCH_CHECK(a.pos[i] >= 0 && a.pos[i] < max_pos, op, ": position ", a.pos[i], " outside the rope table (",
+                max_pos, ")");
     TORCH_CHECK(a.slots[i] >= 0 && a.slots[i] < a.num_slots, op, ": slot ", a.slots[i], " outside the cache (",
                 a.num_slots, ")");
   }
