@@ -562,17 +562,22 @@ at::Tensor linear_panels_i8(const at::Tensor& x, const at::Tensor& panels, const
 // The same product from x already quantized (fused.cpp's add_rms_norm_q8_ / silu_mul_q8 hand
 // their rows over as codes): the same codes give the same bits as linear_panels_i8 of the
 // float32 rows they were made from.
+// x's codes and scales for a product of k features (fused.cpp's *_q8 make them): xq uint8
+// [M, i8_groups(k) * 64], sx float32 [M, i8_scale_groups(k)], both contiguous.
+void check_i8_codes(const char* op, const at::Tensor& xq, const at::Tensor& sx, int64_t k) {
+  const int64_t width = i8_groups(k) * kI8Group, ls = i8_scale_groups(k);
+  TORCH_CHECK(k > 0 && xq.scalar_type() == at::kByte && xq.dim() == 2 && xq.is_contiguous() && xq.size(1) == width,
+              "inferlab ", op, ": xq must be contiguous uint8 [M, ", width, "] (codes of ", k, " features), got ",
+              xq.scalar_type(), " ", xq.sizes());
+  TORCH_CHECK(sx.scalar_type() == at::kFloat && sx.is_contiguous() && sx.dim() == 2 && sx.size(0) == xq.size(0) &&
+                  sx.size(1) == ls,
+              "inferlab ", op, ": sx must be contiguous float32 [", xq.size(0), ", ", ls, "]");
+}
+
 at::Tensor linear_panels_i8_q(const at::Tensor& xq, const at::Tensor& sx, int64_t k, const at::Tensor& panels,
                               const at::Tensor& corr, const at::Tensor& scale, int64_t n,
                               const std::optional<at::Tensor>& bias) {
-  const int64_t groups = i8_groups(k), ls = i8_scale_groups(k);
-  TORCH_CHECK(k > 0 && xq.scalar_type() == at::kByte && xq.dim() == 2 && xq.is_contiguous() &&
-                  xq.size(1) == groups * kI8Group,
-              "inferlab linear_panels_i8_q: xq must be contiguous uint8 [M, ", groups * kI8Group, "] (codes of ", k,
-              " features), got ", xq.scalar_type(), " ", xq.sizes());
-  TORCH_CHECK(sx.scalar_type() == at::kFloat && sx.is_contiguous() && sx.dim() == 2 && sx.size(0) == xq.size(0) &&
-                  sx.size(1) == ls,
-              "inferlab linear_panels_i8_q: sx must be contiguous float32 [", xq.size(0), ", ", ls, "]");
+  check_i8_codes("linear_panels_i8_q", xq, sx, k);
   check_i8_panels("linear_panels_i8_q", k, panels, corr, scale, n);
   const float* bias_p = vector_or_null(bias, n, "linear_panels_i8_q", "bias");
   const int64_t M = xq.size(0);
@@ -590,12 +595,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_panels_i8_q_rope_kv(
     int64_t num_kv_heads, int64_t head_dim, const std::optional<at::Tensor>& k_scale,
     const std::optional<at::Tensor>& v_scale) {
   const char* op = "linear_panels_i8_q_rope_kv";
-  const int64_t groups = i8_groups(k), ls = i8_scale_groups(k), ldx = groups * kI8Group;
+  const int64_t ls = i8_scale_groups(k), ldx = i8_groups(k) * kI8Group;
   const int64_t n = (num_heads + 2 * num_kv_heads) * head_dim;
-  TORCH_CHECK(k > 0 && xq.scalar_type() == at::kByte && xq.dim() == 2 && xq.is_contiguous() && xq.size(1) == ldx &&
-                  sx.scalar_type() == at::kFloat && sx.is_contiguous() && sx.dim() == 2 &&
-                  sx.size(0) == xq.size(0) && sx.size(1) == ls,
-              "inferlab ", op, ": xq, sx must be the codes and scales of ", k, " features");
+  check_i8_codes(op, xq, sx, k);
   check_i8_panels(op, k, panels, corr, scale, n);
   check_rope_head_dim(op, head_dim);
   const float* bias_p = vector_or_null(bias, n, op, "bias");
@@ -662,10 +664,7 @@ std::tuple<at::Tensor, at::Tensor> linear_panels_i8_silu_q(const at::Tensor& xq,
                                                            const at::Tensor& panels, const at::Tensor& corr,
                                                            const at::Tensor& scale, int64_t n) {
   const int64_t groups = i8_groups(k);
-  TORCH_CHECK(k > 0 && xq.scalar_type() == at::kByte && xq.dim() == 2 && xq.is_contiguous() &&
-                  xq.size(1) == groups * kI8Group && sx.scalar_type() == at::kFloat && sx.is_contiguous() &&
-                  sx.dim() == 2 && sx.size(0) == xq.size(0) && sx.size(1) == i8_scale_groups(k),
-              "inferlab linear_panels_i8_silu_q: xq, sx must be the codes and scales of ", k, " features");
+  check_i8_codes("linear_panels_i8_silu_q", xq, sx, k);
   check_i8_panels("linear_panels_i8_silu_q", k, panels, corr, scale, n);
   TORCH_CHECK(n % (2 * kI8Group) == 0, "inferlab linear_panels_i8_silu_q: n (", n, ") must be a multiple of ",
               2 * kI8Group);
