@@ -158,8 +158,7 @@ class DecoderModel:
         # A bf16 prefill's (and w8a8's steps') RoPE and KV-cache write are the qkv product's epilogue
         # (kernels/linear.py product_rope_kv, _q8), the same bits as the product then rope_write_kv.
         whole_heads = self.backends.fused_layers and config.head_dim % 16 == 0
-        self.rope_tiles = (self.bf16_products and whole_heads
-                           and all(isinstance(layer.qkv, WeightOnlyLinear) for layer in self.layers))
+        self.rope_tiles = self.bf16_products and whole_heads  # bf16 products: the linears are panels
         self.rope_tiles_q8 = self.q8_epilogues and whole_heads
         self._step: object | None = None  # torch.classes.inferlab.DecoderStep, built on first use
         self._step_caches: list | None = None
