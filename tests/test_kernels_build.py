@@ -57,7 +57,7 @@ def test_amx_is_the_avx512_kernels_with_tiles():
     for prop in ("bf16_dot", "int8_x_group", "int8_x_max", "int8_panel_xor", "int8_scale_block", "int4_dot",
                  "auto_weight_dtype", "avx512"):
         assert getattr(amx, prop) == getattr(avx512, prop), prop
-    assert amx.amx and not avx512.amx and amx.int8_dot == "vpdpbusd, tdpbusd" and avx512.int8_dot == "vpdpbusd"
+    assert amx.amx and not avx512.amx and amx.int8_dot == "vpdpbusd, tdpbssd" and avx512.int8_dot == "vpdpbusd"
     assert "AMX tiles" in amx.describe() and "AMX" not in avx512.describe()
 
 

@@ -1,21 +1,22 @@
 // AMX tile products (the amx variant: AMX-TILE, AMX-BF16 and AMX-INT8 beside the avx512 variant's
 // flags) on the panels the avx512 kernels multiply: bf16 weights by tdpbf16ps, w8a8's codes by
-// tdpbusd. Included at the end of matvec.h, whose panel_products_bf16 hands every product to
+// tdpbssd. Included at the end of matvec.h, whose panel_products_bf16 hands every product to
 // these (K a whole number of 32-value tiles) and panel_products_i8 those of more than 8 rows
 // (matvec.h, where the measurements are).
 //
-// Why: one tdpbf16ps is 16 x 16 x 32 products, one tdpbusd 16 x 16 x 64, each in the time of a
+// Why: one tdpbf16ps is 16 x 16 x 32 products, one tdpbssd 16 x 16 x 64, each in the time of a
 // few dozen vdpbf16ps / vpdpbusd (32 and 64 products each), so a prefill or a many-stream decode
 // step, bound by its arithmetic on the avx512 kernels, becomes bound by its weight reads again;
 // and at one row of x, where one vdpbf16ps chain per panel waits on its own latency, a tile
 // takes 16 columns x 32 k at once. The panel layouts are already AMX's: a panel's 32
 // consecutive k of bf16 (16 pairs x 16 columns x 2) and 64 k of int8 codes (16 quads x 16
 // columns x 4) are each one 1 KiB tile of 16 rows of 64 bytes (the B operand), and up to 16 rows
-// of x's bf16 values or u8 codes at one k offset are the A operand, read in place with x's row
-// stride.
+// of x's bf16 values (read in place with x's row stride) or signed codes (a copy, below) at one
+// k offset are the A operand.
 //
-// Numerics. w8a8: each group's sum of 64 integer products is exact on either unit, started from
-// the group's corrections as the avx512 tiles start it, then converted and scaled by the same
+// Numerics. w8a8: each group's sum of 64 integer products is exact on either unit (the avx512
+// tiles sum u x w from the group's corrections, the AMX tiles q x w from zero: the same integer),
+// then converted and scaled by the same
 // float32 instructions in the same order, so a row's outputs are the same bits as the avx512
 // variant's at every row count (tests/test_kernels_amx.py). bf16: tdpbf16ps sums pairs of exact
 // bf16 products into float32 as vdpbf16ps does, but not with the same rounding steps (measured:
@@ -191,33 +192,62 @@ inline void amx_products_bf16(const uint16_t* xb, int64_t ldx, int64_t M, int64_
   }
 }
 
-// ---- w8a8 panels by tdpbusd ----------------------------------------------------------------
-// One row tile (16 rows of codes a, stride ldx; their scales s, stride ls) by one panel (w, its
-// corrections corr), every group: the group's sums go to C tile 0 or 1 by turns, so that the
-// tiles multiply group g + 1 while the vector units take group g's out (converted, times the
-// rows' scales, into 16 float32 sums held in registers: panel_tile_i8's instructions, in its
-// order). Why: with the sums taken out of four C tiles through memory after each group, the
-// tiles waited on the vector units and int8 ran no faster than bf16 on tdpbf16ps (2 cores of a
-// Xeon, SmolLM2's layer shapes, GOP/s: 32 rows 1,045-1,120 -> 1,149-1,285, 512 rows
-// 1,183-1,307 -> 1,497-1,597, alternated runs).
-inline void amx_tile_i8(const uint8_t* a, int64_t ldx, const float* s, int64_t ls, int64_t groups, const int8_t* w,
-                        const int32_t* corr, int valid, int cols, const float* scale, const float* bias, float* y,
-                        int64_t ldy) {
+// ---- w8a8 panels by tdpbssd ----------------------------------------------------------------
+// x's codes as the tiles take them: q = u - 128, the signed value each stored code u stands for
+// (quantize_row_u8 stores q + 128, vpdpbusd's unsigned operand), so that a group's sums start
+// from zero instead of from the panel's corrections (-128 x each column's code sum): flipping the
+// sign bit of u gives q's byte. Why: loading the corrections into the C tile before each
+// tdpbusd cost as much as the product itself; tdpbssd on q starts from tilezero (no memory), and
+// its integer sum is the same number, so the same bits come out. Measured (2 cores of the Xeon,
+// one row tile by one panel by every group, as amx_tile_i8 runs, GOP/s, best of 7): K 576 x N
+// 3,072 at 512 rows 945 -> 1,286, K 1,536 x N 576 1,036 -> 1,564, 32 rows of K 576 x N 3,072
+// 1,194 -> 1,855. The copy is made once for all of an operator's calls (linear.cpp tile_codes)
+// or, in the decode step, once per thread and quantization (panel_products_i8).
+
+// Rows [r0, r1) of x's codes (stride ldx) into q's bytes at dst (same stride).
+inline void flip_code_rows(const uint8_t* xq, int64_t ldx, int64_t r0, int64_t r1, int8_t* dst) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t n = (r1 - r0) * ldx;  // ldx: a multiple of 64
+  xq += r0 * ldx, dst += r0 * ldx;
+  for (int64_t i = 0; i < n; i += 64)
+    _mm512_storeu_si512(dst + i, _mm512_xor_si512(_mm512_loadu_si512(xq + i), flip));
+}
+
+// The M rows' q bytes in buf, zero rows after them up to a whole 16-row tile (so no tile reads
+// past them); returns buf's data.
+inline const int8_t* amx_signed_codes(const uint8_t* xq, int64_t ldx, int64_t M, std::vector<int8_t>& buf) {
+  const int64_t rows = (M + 15) / 16 * 16;
+  if (static_cast<int64_t>(buf.size()) < rows * ldx) buf.resize(rows * ldx);
+  flip_code_rows(xq, ldx, 0, M, buf.data());
+  std::memset(buf.data() + M * ldx, 0, (rows - M) * ldx);
+  return buf.data();
+}
+
+// One row tile (16 rows of signed codes a, stride ldx; their scales s, stride ls) by one panel
+// (w), every group: the group's sums go to C tile 0 or 1 by turns, so that the tiles multiply
+// group g + 1 while the vector units take group g's out (converted, times the rows' scales, into
+// 16 float32 sums held in registers: panel_tile_i8's instructions, in its order). Why: with the
+// sums taken out of four C tiles through memory after each group, the tiles waited on the vector
+// units and int8 ran no faster than bf16 on tdpbf16ps (2 cores of a Xeon, SmolLM2's layer
+// shapes, GOP/s: 32 rows 1,045-1,120 -> 1,149-1,285, 512 rows 1,183-1,307 -> 1,497-1,597,
+// alternated runs).
+inline void amx_tile_i8(const int8_t* a, int64_t ldx, const float* s, int64_t ls, int64_t groups, const int8_t* w,
+                        int valid, int cols, const float* scale, const float* bias, float* y, int64_t ldy) {
   __m512 acc[16];
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   alignas(64) int32_t c[16][16];
   auto issue = [&](int64_t g) {  // group g's sums into C tile g % 2
     if (g % 2 == 0) {
-      _tile_loadd(0, corr + g * kPanel, 0);
+      _tile_zero(0);
       _tile_loadd(4, a + g * kI8Group, ldx);
       _tile_loadd(6, w + g * kI8Group * kPanel, 64);
-      _tile_dpbusd(0, 4, 6);
+      _tile_dpbssd(0, 4, 6);
     } else {
-      _tile_loadd(1, corr + g * kPanel, 0);
+      _tile_zero(1);
       _tile_loadd(5, a + g * kI8Group, ldx);
       _tile_loadd(7, w + g * kI8Group * kPanel, 64);
-      _tile_dpbusd(1, 5, 7);
+      _tile_dpbssd(1, 5, 7);
     }
   };
   issue(0);
@@ -238,15 +268,13 @@ inline void amx_tile_i8(const uint8_t* a, int64_t ldx, const float* s, int64_t l
     if (i < valid) _mm512_mask_storeu_ps(y + i * ldy, mask, _mm512_fmadd_ps(acc[i], sv, bv));
 }
 
-// panel_products_i8's contract (xq: M rows of stride groups * 64, sx: their scales, M x groups;
-// w at panel r0 / 16 and its corrections cw; `rows` columns; scale and bias from r0 on).
-inline void amx_products_i8(const uint8_t* xq, const float* sx, int64_t M, int64_t groups, const int8_t* w,
-                            const int32_t* cw, int64_t rows, const float* scale, const float* bias, float* y,
-                            int64_t ldy) {
-  thread_local std::vector<uint8_t> tail_buf;
+// panel_products_i8's contract (xs: M rows of x's signed codes, stride groups * 64, readable
+// to a whole 16-row tile (amx_signed_codes); sx: their scales, M x groups; w at panel r0 / 16;
+// `rows` columns; scale and bias from r0 on). The panels' corrections are not needed.
+inline void amx_products_i8(const int8_t* xs, const float* sx, int64_t M, int64_t groups, const int8_t* w,
+                            int64_t rows, const float* scale, const float* bias, float* y, int64_t ldy) {
   thread_local std::vector<float> tail_sx;
   const int64_t ldx = groups * kI8Group;
-  const AmxRows<uint8_t> xr(xq, ldx, M, tail_buf);
   const AmxRows<float> sr(sx, groups, M, tail_sx);
   const AmxScope tiles(M);
   amx_operands_written();
@@ -254,7 +282,7 @@ inline void amx_products_i8(const uint8_t* xq, const float* sx, int64_t M, int64
   const int last = static_cast<int>(rows - (np - 1) * kPanel);
   for (int64_t j = 0; j < np; ++j)  // a panel (9-24 KiB at SmolLM2's K) stays in L1 for every row tile
     for (int64_t m = 0; m < M; m += 16)
-      amx_tile_i8(xr.tile(m), ldx, sr.tile(m), groups, groups, w + j * kPanel * ldx, cw + j * groups * kPanel,
+      amx_tile_i8(xs + m * ldx, ldx, sr.tile(m), groups, groups, w + j * kPanel * ldx,
                   static_cast<int>(std::min<int64_t>(16, M - m)), j == np - 1 ? last : 16, scale + j * kPanel,
                   bias ? bias + j * kPanel : nullptr, y + m * ldy + j * kPanel, ldy);
 }

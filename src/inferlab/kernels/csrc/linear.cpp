@@ -501,6 +501,32 @@ void check_i8_panels(const char* name, int64_t K, const at::Tensor& panels, cons
               "inferlab ", name, ": scale must be a contiguous float32 vector of ", n, " values");
 }
 
+// x's signed codes for the amx variant's tiles (amx.h), made once for every call of an operator
+// (its passes and column chunks all read them), the rows shared out over the threads: M rows of
+// stride ldx, zero rows after them to a whole 16-row tile. Empty on the other variants, and
+// where no call reaches the tiles: panel_products_i8 multiplies by tiles above
+// kPanelStreamRowsI8 rows, amx_silu_q8 at every row count (`any_rows`).
+std::vector<int8_t> tile_codes(const uint8_t* xq, int64_t M, int64_t ldx, bool any_rows = false) {
+  std::vector<int8_t> codes;
+#ifdef INFERLAB_AMX
+  if (!any_rows && M <= kPanelStreamRowsI8) return codes;
+  const int64_t tiles = (M + 15) / 16;
+  codes.resize(tiles * 16 * ldx);
+  at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
+    flip_code_rows(xq, ldx, t0 * 16, std::min(M, t1 * 16), codes.data());
+    if (t1 * 16 > M) std::memset(codes.data() + M * ldx, 0, (t1 * 16 - M) * ldx);
+  });
+#else
+  (void)xq, (void)M, (void)ldx, (void)any_rows;
+#endif
+  return codes;
+}
+
+// Row m0's signed codes in tile_codes' result (null where it made none).
+inline const int8_t* codes_at(const std::vector<int8_t>& codes, int64_t m0, int64_t ldx) {
+  return codes.empty() ? nullptr : codes.data() + m0 * ldx;
+}
+
 // y [M, n] from x's codes (u8, rows of i8_groups(K) * 64) and scales [M, i8_scale_groups(K)]: 64 rows
 // a pass over the weights, each pass's panels shared out over the threads; or, on the AVX2
 // variant from 2 passes a thread on, the rows shared out, each thread's over every panel.
@@ -511,6 +537,7 @@ void products_i8(const uint8_t* qp, const float* sp, int64_t M, int64_t K, const
   const int8_t* wp = panels.data_ptr<int8_t>();
   const int32_t* cp = corr.data_ptr<int32_t>();
   const float* scp = scale.data_ptr<float>();
+  const std::vector<int8_t> xs = tile_codes(qp, M, ldx);
   const int64_t row_blocks = (M + kPanelRowBlock - 1) / kPanelRowBlock, threads = at::get_num_threads();
   if (kI8SplitRows && row_blocks >= 2 * threads) {
     // Each thread whole blocks of rows over every panel: one fork and join a product, and x's
@@ -522,7 +549,8 @@ void products_i8(const uint8_t* qp, const float* sp, int64_t M, int64_t K, const
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       for (int64_t b; (b = next.fetch_add(1, std::memory_order_relaxed)) * per < M;) {
         const int64_t m0 = b * per, mm = std::min(per, M - m0);
-        panel_products_i8(qp + m0 * ldx, sp + m0 * ls, mm, K, wp, cp, 0, n, scp, bias_p, yp + m0 * n, n, true, epoch);
+        panel_products_i8(qp + m0 * ldx, sp + m0 * ls, mm, K, wp, cp, 0, n, scp, bias_p, yp + m0 * n, n, true, epoch,
+                          codes_at(xs, m0, ldx));
       }
     });
     return;
@@ -530,7 +558,7 @@ void products_i8(const uint8_t* qp, const float* sp, int64_t M, int64_t K, const
   for_row_passes(M, np, [&](int64_t m0, int64_t mm, int64_t p0, int64_t p1) {
     const int64_t c0 = p0 * kPanel, c1 = std::min(n, p1 * kPanel);
     panel_products_i8(qp + m0 * ldx, sp + m0 * ls, mm, K, wp, cp, c0, c1 - c0, scp, bias_p, yp + m0 * n + c0, n,
-                      m0 == 0, epoch);
+                      m0 == 0, epoch, codes_at(xs, m0, ldx));
   }, kPanelsPerTileI8, ldx);
 }
 
@@ -611,10 +639,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_panels_i8_q_rope_kv(
   const int8_t* wp = panels.data_ptr<int8_t>();
   const int32_t* cp = corr.data_ptr<int32_t>();
   const float* scp = scale.data_ptr<float>();
+  const std::vector<int8_t> xs = tile_codes(qp, a.t, ldx);
   products_rope_kv(a, k_cache, v_cache, (n + kPanel - 1) / kPanel, kPanelsPerTileI8, ldx,
                    [&](int64_t m0, int64_t mm, int64_t c0, int64_t cols, float* buf) {
                      panel_products_i8(qp + m0 * ldx, sp + m0 * ls, mm, k, wp, cp, c0, cols, scp, bias_p, buf, cols,
-                                       m0 == 0, epoch);
+                                       m0 == 0, epoch, codes_at(xs, m0, ldx));
                    });
   return {a.q_t, a.k_t, a.v_t};
 }
@@ -623,17 +652,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_panels_i8_q_rope_kv(
 static_assert(kI8ScaleGroup == kI8Group, "w8a8 on the amx variant: one scale per group of x's codes");
 
 // w8a8's SiLU(gate) * up as the down product's codes, from the gate/up panels' tiles: for the M
-// rows of x's codes (xq, stride ldx; scales sx, stride groups) and the output groups [o0, o1)
+// rows of x's signed codes (xs, stride ldx, tile_codes; scales sx, stride groups) and the output groups [o0, o1)
 // (each 64 columns: 4 gate panels, their 4 up panels `half` columns on), the products' float32
 // sums of one row tile (amx_tile_i8, as linear_panels_i8_q stores them), silu_mul_row, then
 // quantize_row_u8 of each row's 64 values: the bits of silu_mul_q8(linear_panels_i8_q(...)).
-void amx_silu_q8(const uint8_t* xq, const float* sx, int64_t M, int64_t groups, const int8_t* w, const int32_t* cw,
+void amx_silu_q8(const int8_t* xs, const float* sx, int64_t M, int64_t groups, const int8_t* w,
                  const float* scale, int64_t half, int64_t o0, int64_t o1, uint8_t* codes, float* scales,
                  int64_t ldc, int64_t lds) {
-  thread_local std::vector<uint8_t> tail_buf;
   thread_local std::vector<float> tail_sx;
   const int64_t ldx = groups * kI8Group, pb = kPanel * ldx;  // a panel's bytes
-  const AmxRows<uint8_t> xr(xq, ldx, M, tail_buf);
   const AmxRows<float> sr(sx, groups, M, tail_sx);
   const AmxScope tiles(M);
   amx_operands_written();
@@ -643,10 +670,10 @@ void amx_silu_q8(const uint8_t* xq, const float* sx, int64_t M, int64_t groups, 
     for (int64_t o = o0; o < o1; ++o) {
       for (int64_t q = 0; q < kI8Group / kPanel; ++q) {
         const int64_t gp = o * kI8Group / kPanel + q, up = gp + half / kPanel;  // gate panel, its up panel
-        amx_tile_i8(xr.tile(m), ldx, sr.tile(m), groups, groups, w + gp * pb, cw + gp * groups * kPanel, valid, 16,
-                    scale + gp * kPanel, nullptr, &g[0][q * kPanel], kI8Group);
-        amx_tile_i8(xr.tile(m), ldx, sr.tile(m), groups, groups, w + up * pb, cw + up * groups * kPanel, valid, 16,
-                    scale + up * kPanel, nullptr, &u[0][q * kPanel], kI8Group);
+        amx_tile_i8(xs + m * ldx, ldx, sr.tile(m), groups, groups, w + gp * pb, valid, 16, scale + gp * kPanel,
+                    nullptr, &g[0][q * kPanel], kI8Group);
+        amx_tile_i8(xs + m * ldx, ldx, sr.tile(m), groups, groups, w + up * pb, valid, 16, scale + up * kPanel,
+                    nullptr, &u[0][q * kPanel], kI8Group);
       }
       for (int i = 0; i < valid; ++i) {
         inferlab_rows::silu_mul_row(g[i], u[i], kI8Group, act);
@@ -675,10 +702,10 @@ std::tuple<at::Tensor, at::Tensor> linear_panels_i8_silu_q(const at::Tensor& xq,
   const float* sp = sx.data_ptr<float>();
   uint8_t* cp = codes.data_ptr<uint8_t>();
   float* op = scales.data_ptr<float>();
+  const std::vector<int8_t> xs = tile_codes(qp, M, groups * kI8Group, /*any_rows=*/true);
   for_row_passes(M, out_groups, [&](int64_t m0, int64_t mm, int64_t o0, int64_t o1) {
-    amx_silu_q8(qp + m0 * groups * kI8Group, sp + m0 * groups, mm, groups, panels.data_ptr<int8_t>(),
-                corr.data_ptr<int32_t>(), scale.data_ptr<float>(), half, o0, o1, cp + m0 * half, op + m0 * out_groups,
-                half, out_groups);
+    amx_silu_q8(xs.data() + m0 * groups * kI8Group, sp + m0 * groups, mm, groups, panels.data_ptr<int8_t>(),
+                scale.data_ptr<float>(), half, o0, o1, cp + m0 * half, op + m0 * out_groups, half, out_groups);
   }, 1, groups * kI8Group);
   return {codes, scales};
 }

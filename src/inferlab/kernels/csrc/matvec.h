@@ -536,9 +536,9 @@ inline void panel_rows_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, 
 template <typename Y>
 inline void amx_products_bf16(const uint16_t* xb, int64_t ldx, int64_t M, int64_t kp, const uint16_t* w,
                               int64_t rows, const float* scale, const float* bias, Y* y, int64_t ldy);
-inline void amx_products_i8(const uint8_t* xq, const float* sx, int64_t M, int64_t groups, const int8_t* w,
-                            const int32_t* cw, int64_t rows, const float* scale, const float* bias, float* y,
-                            int64_t ldy);
+inline void amx_products_i8(const int8_t* xs, const float* sx, int64_t M, int64_t groups, const int8_t* w,
+                            int64_t rows, const float* scale, const float* bias, float* y, int64_t ldy);
+inline const int8_t* amx_signed_codes(const uint8_t* xq, int64_t ldx, int64_t M, std::vector<int8_t>& buf);
 #endif
 
 // row_products' contract for bf16 weights in panels (kernels/linear.py pack_panels of an [N, K]
@@ -880,19 +880,34 @@ inline void panel_rows_i8(const uint8_t* x, int64_t ldx, const float* sx, int64_
 // corrections `corr` [N / 16, groups, 16]) and x already quantized (xq: M rows of stride
 // groups * 64, sx: M x groups scales, quantize_rows_u8): y[i * ldy + r] for r in [0, rows) of
 // columns r0 .., r0 a multiple of 16. Column tiles of 3 panels, each streamed from memory by
-// its first tile of x-rows; the others re-read it from cache. x_epoch: the AVX2 variant's
-// (next_x_epoch), unused here: the tiles read the codes as they are.
+// its first tile of x-rows; the others re-read it from cache. The amx variant multiplies more
+// than kPanelStreamRowsI8 rows by tiles, from x's signed codes (amx.h): xs, the rows' own (from
+// linear.cpp tile_codes, made once for every call of an operator), or else made here once per
+// thread for these codes (x_epoch: next_x_epoch's id of their quantization; 0: every call).
 inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int64_t K, const int8_t* panels,
                               const int32_t* corr, int64_t r0, int64_t rows, const float* scale, const float* bias,
-                              float* y, int64_t ldy, bool cold, uint64_t /*x_epoch*/ = 0) {
+                              float* y, int64_t ldy, bool cold, uint64_t x_epoch = 0, const int8_t* xs = nullptr) {
   const int64_t groups = i8_groups(K), ldx = groups * kI8Group;
   const int8_t* w = panels + r0 * ldx;               // panel r0 / 16
   const int32_t* cw = corr + r0 * groups;            // its corrections
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
   if (M > kPanelStreamRowsI8) {
-    amx_products_i8(xq, sx, M, groups, w, cw, rows, scale + r0, bias ? bias + r0 : nullptr, y, ldy);
+    if (!xs) {
+      thread_local std::vector<int8_t> own;
+      thread_local const uint8_t* made_from = nullptr;
+      thread_local int64_t made_m = 0;
+      thread_local uint64_t made_epoch = 0;
+      if (x_epoch == 0 || x_epoch != made_epoch || xq != made_from || M != made_m) {
+        amx_signed_codes(xq, ldx, M, own);
+        made_from = xq, made_m = M, made_epoch = x_epoch;
+      }
+      xs = own.data();
+    }
+    amx_products_i8(xs, sx, M, groups, w, rows, scale + r0, bias ? bias + r0 : nullptr, y, ldy);
     return;
   }
+#else
+  (void)x_epoch, (void)xs;
 #endif
   if (M <= kPanelStreamRowsI8) {  // the panels one after the other (panel_rows_i8), every row at once
     const int64_t np = (rows + kPanel - 1) / kPanel;
@@ -1335,13 +1350,14 @@ inline void panel_products_i8_tiled(const uint8_t* /*xq*/, const float* /*sx*/, 
   }
 }
 
-// panel_products_i8 with the AVX-512 variant's arguments (`corr` and `cold` unused, sx [M,
+// panel_products_i8 with the AVX-512 variant's arguments (`corr`, `cold` and `xs` unused, sx [M,
 // i8_scale_groups(K)]). x is made into a TiledX (interleave_x_i8) once per call, or, given
 // x_epoch (next_x_epoch: one id per quantization of the codes), once per thread: the next calls
 // with the same codes, epoch and rows reuse the copy.
 inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int64_t K, const int8_t* panels,
                               const int32_t* corr, int64_t r0, int64_t rows, const float* scale,
-                              const float* bias, float* y, int64_t ldy, bool /*cold*/, uint64_t x_epoch = 0) {
+                              const float* bias, float* y, int64_t ldy, bool /*cold*/, uint64_t x_epoch = 0,
+                              const int8_t* /*xs: the amx variant's*/ = nullptr) {
   thread_local TiledX tx;  // per thread, grown once
   thread_local const uint8_t* made_from = nullptr;  // the codes tx holds: these, at this epoch
   thread_local int64_t made_m = 0;
