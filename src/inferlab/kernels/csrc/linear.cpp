@@ -100,6 +100,16 @@ namespace {
 
 using namespace inferlab_matvec;  // row_products, convert_rows, kRowsW
 
+// How many bytes of x's rows the passes of a group may span: half of a core's L2 (the other half
+// for the weights' chunk, for_pass_chunks), read once.
+inline int64_t x_group_bytes() {
+  static const int64_t bytes = [] {
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return static_cast<int64_t>(l2 > 0 ? l2 : 1 << 20) / 2;
+  }();
+  return bytes;
+}
+
 // Runs fn(p, b0, b1) for every pass p in [0, passes) and chunk [b0, b1) of [0, blocks) on torch's
 // threads, in one parallel region: the passes in groups of `group`, within a group chunk by
 // chunk, each chunk's passes one after the other (for_row_passes: the chunk's weights stay in
@@ -109,12 +119,31 @@ using namespace inferlab_matvec;  // row_products, convert_rows, kRowsW
 // between passes, which are independent (a region per pass joined its threads 16 times a product
 // at 1,024 rows, ~1,900 times a prefill step of SmolLM2, libgomp's barrier ~9% of the step's
 // samples). About 8 chunks per thread: long enough runs that the weights stream linearly (a
-// chunk's start is not prefetched), enough of them to even out a late thread; a multiple of 4
-// blocks (16 columns), so two threads never write the same 64-byte line of y (false sharing).
+// chunk's start is not prefetched), enough of them to even out a late thread; a multiple of
+// `align` blocks, so two threads never write the same 64-byte line of y (false sharing). With
+// several passes the tasks are passes x chunks, so the chunks widen until about 8 tasks a thread
+// are left over all the passes, at most x_group_bytes of weights (block_bytes a block; 0: keep
+// the one-pass width). Why: every task pays a start (the tiles' configuration, its first
+// weights, x's rows into L1) that narrow chunks paid many times: a 1,024-row product of
+// SmolLM2's shapes, 2 cores of the Xeon with AMX, GOP/s in-process alternated, w8a8 / bf16:
+// 576 x 576 1,736 -> 2,265 / 1,345 -> 1,828, 960 x 576 1,634 -> 2,631 / 1,517 -> 1,951, 576 x
+// 1,536 1,933 -> 2,169 / 1,624 -> 1,815, gate/up 3,072 x 576 1,744 -> 1,878 / 1,417 -> 1,607
+// (all of the weights as one chunk: no faster; at 128 and 2,048 rows alike or faster).
 template <typename F>
-void for_pass_chunks(int64_t passes, int64_t blocks, const F& fn, int64_t align = 4, int64_t group = 1) {
+void for_pass_chunks(int64_t passes, int64_t blocks, const F& fn, int64_t align = 4, int64_t group = 1,
+                     int64_t block_bytes = 0) {
   const int64_t threads = at::get_num_threads();
-  const int64_t chunk = (std::max<int64_t>(1, blocks / (8 * threads)) + align - 1) / align * align;
+  auto align_up = [&](int64_t v) { return (v + align - 1) / align * align; };
+  int64_t chunk = align_up(std::max<int64_t>(1, blocks / (8 * threads)));
+  if (passes > 1 && block_bytes > 0) {
+    const int64_t per_pass_min = (8 * threads + passes - 1) / passes;
+    const int64_t wide = std::min((blocks + per_pass_min - 1) / per_pass_min,
+                                  std::max(align, x_group_bytes() / block_bytes));
+    if (wide > chunk) {
+      const int64_t n = (blocks + wide - 1) / wide;
+      chunk = align_up((blocks + n - 1) / n);
+    }
+  }
   const int64_t per_pass = (blocks + chunk - 1) / chunk, tasks = passes * per_pass;
   const int64_t per_group = group * per_pass;
   std::atomic<int64_t> next{0};
@@ -284,16 +313,6 @@ at::Tensor linear_w16(const at::Tensor& x, const at::Tensor& w, const std::optio
 // first pass reads the panels from memory (`cold` to panel_products_*), the later ones from L3.
 constexpr int64_t kPanelRowBlock = 64;
 
-// How many bytes of x's rows the passes of a group may span: half of a core's L2 (the rest for
-// the weights' chunk and the products' own lines), read once.
-inline int64_t x_group_bytes() {
-  static const int64_t bytes = [] {
-    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    return static_cast<int64_t>(l2 > 0 ? l2 : 1 << 20) / 2;
-  }();
-  return bytes;
-}
-
 // for_pass_chunks over the passes of kPanelRowBlock rows of M: fn(m0, rows, b0, b1), the passes
 // in groups whose rows of x (x_row_bytes each) fit in x_group_bytes: a chunk of the weights is
 // multiplied by every pass of a group while it is in L2, rather than all the weights streamed
@@ -302,12 +321,13 @@ inline int64_t x_group_bytes() {
 // 2.96 -> 2.54 ms, 1,024 5.67 -> 4.79, 2,048 11.47 -> 9.43; engine prefill steps 512 tokens
 // 224 -> 205 ms, 8 x 256 718 -> 688 (w8a8 228 -> 208, 764 -> 751).
 template <typename F>
-void for_row_passes(int64_t M, int64_t blocks, const F& fn, int64_t align, int64_t x_row_bytes) {
+void for_row_passes(int64_t M, int64_t blocks, const F& fn, int64_t align, int64_t x_row_bytes,
+                    int64_t block_bytes = 0) {
   const int64_t group = std::max<int64_t>(1, x_group_bytes() / (kPanelRowBlock * x_row_bytes));
   for_pass_chunks((M + kPanelRowBlock - 1) / kPanelRowBlock, blocks, [&](int64_t p, int64_t b0, int64_t b1) {
     const int64_t m0 = p * kPanelRowBlock;
     fn(m0, std::min(kPanelRowBlock, M - m0), b0, b1);
-  }, align, group);
+  }, align, group, block_bytes);
 }
 
 // The qkv product with RoPE and the cache write as its epilogue (linear_panels_rope_kv and w8a8's
@@ -319,7 +339,7 @@ void for_row_passes(int64_t M, int64_t blocks, const F& fn, int64_t align, int64
 // layer at 1,024 tokens in a prefill against 0.25 with the same arguments in cache.
 template <typename Product>
 void products_rope_kv(const inferlab_rope_kv::RopeKv& a, at::Tensor& k_cache, at::Tensor& v_cache, int64_t blocks,
-                      int64_t align, int64_t x_row_bytes, const Product& product) {
+                      int64_t align, int64_t x_row_bytes, int64_t block_bytes, const Product& product) {
   const int64_t n = (a.heads + 2 * a.kv_heads) * a.d, head_panels = a.d / kPanel;
   inferlab_rope_kv::dispatch_cache(k_cache, v_cache, [&](auto* kc, auto* vc) {
     for_row_passes(a.t, blocks, [&](int64_t m0, int64_t mm, int64_t p0, int64_t p1) {
@@ -330,7 +350,7 @@ void products_rope_kv(const inferlab_rope_kv::RopeKv& a, at::Tensor& k_cache, at
       for (int64_t i = 0; i < mm; ++i)
         for (int64_t h = c0 / a.d; h < (c0 + cols) / a.d; ++h)
           inferlab_rope_kv::rope_kv_head(a, kc, vc, m0 + i, h, buf.data() + i * cols + h * a.d - c0);
-    }, std::lcm(align, head_panels), x_row_bytes);
+    }, std::lcm(align, head_panels), x_row_bytes, block_bytes);
   });
 }
 
@@ -393,7 +413,7 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t 
     for_row_passes(M, panels.size(0), [&](int64_t m0, int64_t mm, int64_t p0, int64_t p1) {
       const int64_t c0 = p0 * kPanel, c1 = std::min(n, p1 * kPanel);
       panel_products_bf16(xp + m0 * kp, kp, mm, K, wp, c0, c1 - c0, nullptr, bias_p, yp + m0 * n + c0, n, m0 == 0);
-    }, kPanelsPerChunk, kp * 2);
+    }, kPanelsPerChunk, kp * 2, kPanel * kp * 2);
   };
   if (out_bf16) run(y.data_ptr<at::BFloat16>());
   else run(y.data_ptr<float>());
@@ -419,7 +439,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_panels_rope_kv(
   const at::Tensor xb = x_in_bf16(x, kp);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
   const at::BFloat16* wp = panels.data_ptr<at::BFloat16>();
-  products_rope_kv(a, k_cache, v_cache, panels.size(0), kPanelsPerChunk, kp * 2,
+  products_rope_kv(a, k_cache, v_cache, panels.size(0), kPanelsPerChunk, kp * 2, kPanel * kp * 2,
                    [&](int64_t m0, int64_t mm, int64_t c0, int64_t cols, float* buf) {
                      panel_products_bf16(xp + m0 * kp, kp, mm, K, wp, c0, cols, nullptr, bias_p, buf, cols, m0 == 0);
                    });
@@ -477,7 +497,7 @@ at::Tensor linear_panels_silu(const at::Tensor& x, const at::Tensor& panels, int
   for_row_passes(M, gate_panels, [&](int64_t m0, int64_t mm, int64_t p0, int64_t p1) {  // as linear_panels
     amx_products_silu(xp + m0 * kp, kp, mm, kp, wp + p0 * kPanel * kp, wp + (gate_panels + p0) * kPanel * kp, p1 - p0,
                       yp + m0 * half + p0 * kPanel, half);
-  }, kPanelsPerTile, kp * 2);
+  }, kPanelsPerTile, kp * 2, 2 * kPanel * kp * 2);
   return y.view(out_sizes);
 }
 #endif
@@ -559,7 +579,7 @@ void products_i8(const uint8_t* qp, const float* sp, int64_t M, int64_t K, const
     const int64_t c0 = p0 * kPanel, c1 = std::min(n, p1 * kPanel);
     panel_products_i8(qp + m0 * ldx, sp + m0 * ls, mm, K, wp, cp, c0, c1 - c0, scp, bias_p, yp + m0 * n + c0, n,
                       m0 == 0, epoch, codes_at(xs, m0, ldx));
-  }, kPanelsPerTileI8, ldx);
+  }, kPanelsPerTileI8, ldx, kPanel * ldx);
 }
 
 at::Tensor linear_panels_i8(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& corr,
@@ -640,7 +660,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_panels_i8_q_rope_kv(
   const int32_t* cp = corr.data_ptr<int32_t>();
   const float* scp = scale.data_ptr<float>();
   const std::vector<int8_t> xs = tile_codes(qp, a.t, ldx);
-  products_rope_kv(a, k_cache, v_cache, (n + kPanel - 1) / kPanel, kPanelsPerTileI8, ldx,
+  products_rope_kv(a, k_cache, v_cache, (n + kPanel - 1) / kPanel, kPanelsPerTileI8, ldx, kPanel * ldx,
                    [&](int64_t m0, int64_t mm, int64_t c0, int64_t cols, float* buf) {
                      panel_products_i8(qp + m0 * ldx, sp + m0 * ls, mm, k, wp, cp, c0, cols, scp, bias_p, buf, cols,
                                        m0 == 0, epoch, codes_at(xs, m0, ldx));
@@ -706,7 +726,7 @@ std::tuple<at::Tensor, at::Tensor> linear_panels_i8_silu_q(const at::Tensor& xq,
   for_row_passes(M, out_groups, [&](int64_t m0, int64_t mm, int64_t o0, int64_t o1) {
     amx_silu_q8(xs.data() + m0 * groups * kI8Group, sp + m0 * groups, mm, groups, panels.data_ptr<int8_t>(),
                 scale.data_ptr<float>(), half, o0, o1, cp + m0 * half, op + m0 * out_groups, half, out_groups);
-  }, 1, groups * kI8Group);
+  }, 1, groups * kI8Group, 2 * kI8Group * groups * kI8Group);
   return {codes, scales};
 }
 #endif
