@@ -113,17 +113,37 @@ inline void amx_store(const float (*c)[16], int valid, int cols, const float* sc
 }
 
 // ---- bf16 panels by tdpbf16ps --------------------------------------------------------------
+// How far ahead of its tile loads each panel's stream is fetched into L2 when the panels come
+// from memory with two row tiles of x (`stream`). Why: a tile load waits for all of its 16 lines
+// before the tdpbf16ps after it can start, and with two row tiles the products between loads
+// leave the hardware prefetcher too little ahead: at 32 rows the weights streamed at ~15 GB/s
+// against ~20 at one row (each tile load of the lm_head, and of the decode step's products,
+// stalled on memory in `perf annotate`). Measured on 2 cores of the Xeon with AMX, the default
+// model's decode step at 32 streams: in-process rounds alternated (12, a slow spell of the host)
+// 39.80 -> 37.57 ms, the product phases 15.28 -> 14.31; processes alternated (4 pairs, each
+// faster) 25.2 -> 24.6 ms; a 64-token prefill 27.7 -> 26.2. 2 KiB ahead, or into L1, no better.
+// At one row the stream keeps up without it.
+constexpr int64_t kAmxStreamAhead = 8192;
+
 // The sums of MT (1 or 2) row tiles of x (a0, a1: 16 rows each, stride ldx, bf16) by NT (1 or 2)
 // panels (w0, w1: 16 * kp values each), over every k, into c[t * 2 + j] (16 x 16 floats each).
 template <int MT, int NT>
 inline void amx_tiles_bf16(const uint16_t* a0, const uint16_t* a1, int64_t ldx, const uint16_t* w0,
-                           const uint16_t* w1, int64_t kp, float (*c)[16][16]) {
+                           const uint16_t* w1, int64_t kp, float (*c)[16][16], bool stream = false) {
   const int64_t stride = ldx * 2;
   _tile_zero(0);
   if constexpr (NT > 1) _tile_zero(1);
   if constexpr (MT > 1) _tile_zero(2);
   if constexpr (MT > 1 && NT > 1) _tile_zero(3);
   for (int64_t k = 0; k < kp; k += 32) {
+    if (MT > 1 && stream) {  // this k-step's 1 KiB of each panel, kAmxStreamAhead on
+      const char* p0 = reinterpret_cast<const char*>(w0 + k * kPanel) + kAmxStreamAhead;
+      const char* p1 = reinterpret_cast<const char*>(w1 + k * kPanel) + kAmxStreamAhead;
+      for (int l = 0; l < 1024; l += 64) {
+        _mm_prefetch(p0 + l, _MM_HINT_T1);
+        if constexpr (NT > 1) _mm_prefetch(p1 + l, _MM_HINT_T1);
+      }
+    }
     _tile_loadd(6, w0 + k * kPanel, 64);
     _tile_loadd(4, a0 + k, stride);
     _tile_dpbf16ps(0, 4, 6);
@@ -148,9 +168,9 @@ inline void amx_tiles_bf16(const uint16_t* a0, const uint16_t* a1, int64_t ldx, 
 template <int MT, int NT, typename Y>
 inline void amx_block_bf16(const uint16_t* a0, const uint16_t* a1, int64_t ldx, const uint16_t* w, int64_t kp,
                            int valid0, int valid1, int last, const float* scale, const float* bias, Y* y,
-                           int64_t ldy) {
+                           int64_t ldy, bool stream) {
   alignas(64) float c[4][16][16];
-  amx_tiles_bf16<MT, NT>(a0, a1, ldx, w, NT > 1 ? w + kPanel * kp : w, kp, c);
+  amx_tiles_bf16<MT, NT>(a0, a1, ldx, w, NT > 1 ? w + kPanel * kp : w, kp, c, stream);
   for (int t = 0; t < MT; ++t)
     for (int j = 0; j < NT; ++j)
       amx_store(c[t * 2 + j], t ? valid1 : valid0, j == NT - 1 ? last : 16, scale ? scale + j * kPanel : nullptr,
@@ -160,10 +180,11 @@ inline void amx_block_bf16(const uint16_t* a0, const uint16_t* a1, int64_t ldx, 
 // panel_products_bf16's contract (x in bf16, M rows of stride ldx, K rounded up to a multiple
 // of 32 by the caller's check: kp % 32 == 0; w at panel r0 / 16; `rows` columns; scale and
 // bias from column r0 on) by tiles: pairs of panels, each multiplied by every pair of row tiles
-// while it is in cache.
+// while it is in cache. cold: the panels come from memory (kAmxStreamAhead: the first pair of
+// row tiles fetches them ahead).
 template <typename Y>
 inline void amx_products_bf16(const uint16_t* xb, int64_t ldx, int64_t M, int64_t kp, const uint16_t* w,
-                              int64_t rows, const float* scale, const float* bias, Y* y, int64_t ldy) {
+                              int64_t rows, const float* scale, const float* bias, Y* y, int64_t ldy, bool cold) {
   thread_local std::vector<uint16_t> tail_buf;
   const AmxRows<uint16_t> xr(xb, ldx, M, tail_buf);
   const AmxScope tiles(M);
@@ -180,13 +201,14 @@ inline void amx_products_bf16(const uint16_t* xb, int64_t ldx, int64_t M, int64_
       const int v0 = static_cast<int>(std::min<int64_t>(16, M - m)), v1 = static_cast<int>(std::min<int64_t>(16, M - m - 16));
       const uint16_t* a0 = xr.tile(m);
       Y* yt = y + m * ldy + j * kPanel;
+      const bool stream = cold && m == 0;
       if (v1 > 0) {
         const uint16_t* a1 = xr.tile(m + 16);
-        if (two) amx_block_bf16<2, 2>(a0, a1, ldx, wj, kp, v0, v1, lj, sc, bs, yt, ldy);
-        else amx_block_bf16<2, 1>(a0, a1, ldx, wj, kp, v0, v1, lj, sc, bs, yt, ldy);
+        if (two) amx_block_bf16<2, 2>(a0, a1, ldx, wj, kp, v0, v1, lj, sc, bs, yt, ldy, stream);
+        else amx_block_bf16<2, 1>(a0, a1, ldx, wj, kp, v0, v1, lj, sc, bs, yt, ldy, stream);
       } else {
-        if (two) amx_block_bf16<1, 2>(a0, a0, ldx, wj, kp, v0, 0, lj, sc, bs, yt, ldy);
-        else amx_block_bf16<1, 1>(a0, a0, ldx, wj, kp, v0, 0, lj, sc, bs, yt, ldy);
+        if (two) amx_block_bf16<1, 2>(a0, a0, ldx, wj, kp, v0, 0, lj, sc, bs, yt, ldy, stream);
+        else amx_block_bf16<1, 1>(a0, a0, ldx, wj, kp, v0, 0, lj, sc, bs, yt, ldy, stream);
       }
     }
   }

@@ -535,7 +535,7 @@ inline void panel_rows_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
 template <typename Y>
 inline void amx_products_bf16(const uint16_t* xb, int64_t ldx, int64_t M, int64_t kp, const uint16_t* w,
-                              int64_t rows, const float* scale, const float* bias, Y* y, int64_t ldy);
+                              int64_t rows, const float* scale, const float* bias, Y* y, int64_t ldy, bool cold);
 inline void amx_products_i8(const int8_t* xs, const float* sx, int64_t M, int64_t groups, const int8_t* w,
                             int64_t rows, const float* scale, const float* bias, float* y, int64_t ldy);
 inline const int8_t* amx_signed_codes(const uint8_t* xq, int64_t ldx, int64_t M, std::vector<int8_t>& buf);
@@ -561,7 +561,8 @@ inline void panel_products_bf16(const uint16_t* xb, int64_t ldx, int64_t M, int6
   const uint16_t* w = reinterpret_cast<const uint16_t*>(panels) + r0 * kp;  // panel r0 / 16
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
   if (kp % 32 == 0) {
-    amx_products_bf16(xb, ldx, M, kp, w, rows, scale ? scale + r0 : nullptr, bias ? bias + r0 : nullptr, y, ldy);
+    amx_products_bf16(xb, ldx, M, kp, w, rows, scale ? scale + r0 : nullptr, bias ? bias + r0 : nullptr, y, ldy,
+                      cold);
     return;
   }
 #endif
