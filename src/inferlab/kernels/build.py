@@ -10,7 +10,7 @@ torch's libgomp is the one already loaded; a second OpenMP runtime would fight i
 
 One decision per machine, made once from the CPU's flags (/proc/cpuinfo) and frozen in
 `kernel_info()`: the AMX variant (the AVX-512 one's flags and code, its panel products on AMX
-tiles: bf16 by tdpbf16ps at every row count, w8a8 by tdpbssd from 9 rows; csrc/amx.h) where the
+tiles: bf16 by tdpbf16ps at every row count, w8a8 by tdpbssd from 2 rows; csrc/amx.h) where the
 CPU has AMX-TILE, AMX-BF16 and AMX-INT8 and Linux grants the process the tile state, else the
 AVX-512 variant (F/BW/VL/DQ + BF16 + VNNI: bf16 weights multiplied with
 vdpbf16ps, int8 with vpdpbusd) where every one of those flags is there, else the AVX2 variant
@@ -153,7 +153,7 @@ class KernelInfo:
         if not self.available:
             return f"inferlab CPU kernels: none ({self.reason}); plain torch operators"
         path = (("bf16 weights in panels by AMX tiles (tdpbf16ps) at every row count, w8a8 in panels by "
-                 "vpdpbusd, from 9 rows by AMX tiles (tdpbssd on the signed codes)") if self.amx else
+                 "vpdpbusd at one row, from 2 rows by AMX tiles (tdpbssd on the signed codes)") if self.amx else
                 "bf16 weights in panels by vdpbf16ps, w8a8 in panels by vpdpbusd, at every row count"
                 if self.bf16_dot else
                 "float16 / int8 weights converted in registers, float32 FMA; w8a8 in panels by vpmaddubsw")

@@ -524,12 +524,12 @@ void check_i8_panels(const char* name, int64_t K, const at::Tensor& panels, cons
 // x's signed codes for the amx variant's tiles (amx.h), made once for every call of an operator
 // (its passes and column chunks all read them), the rows shared out over the threads: M rows of
 // stride ldx, zero rows after them to a whole 16-row tile. Empty on the other variants, and
-// where no call reaches the tiles: panel_products_i8 multiplies by tiles above
-// kPanelStreamRowsI8 rows, amx_silu_q8 at every row count (`any_rows`).
+// where no call reaches the tiles: panel_products_i8 multiplies by tiles from kAmxMinRowsI8
+// rows, amx_silu_q8 at every row count (`any_rows`).
 std::vector<int8_t> tile_codes(const uint8_t* xq, int64_t M, int64_t ldx, bool any_rows = false) {
   std::vector<int8_t> codes;
 #ifdef INFERLAB_AMX
-  if (!any_rows && M <= kPanelStreamRowsI8) return codes;
+  if (!any_rows && M < kAmxMinRowsI8) return codes;
   const int64_t tiles = (M + 15) / 16;
   codes.resize(tiles * 16 * ldx);
   at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {

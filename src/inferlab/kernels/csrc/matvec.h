@@ -526,13 +526,18 @@ inline void panel_rows_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, 
 
 // The amx variant's tile products (amx.h, included at the end of this file): panel_products_bf16
 // hands every product to them (K a whole number of 32-value tiles), panel_products_i8 those of
-// more than kPanelStreamRowsI8 rows. Measured on 2 cores of a Xeon with AMX, SmolLM2's layer
-// shapes, GFLOP/s against the vdpbf16ps / vpdpbusd kernels (medians of 7, two rounds): bf16 at 1
-// row 68-72 against 43-45 (one vdpbf16ps chain per panel waits on its latency), 8 rows 437-471
-// against 173-190, 16 rows 720-765 against 181-187, 512 rows ~1,270 against ~200; int8 at 1 row
-// 88-102 against 123-134, 4 rows 344-352 against 373-391, 8 rows even (538-544 / 505-549), 12
-// rows 649-733 against 602-637, 32 rows 992-1,025 against 805-857.
+// kAmxMinRowsI8 rows or more. Measured on 2 cores of a Xeon with AMX, SmolLM2's layer shapes,
+// GFLOP/s against the vdpbf16ps / vpdpbusd kernels (medians of 7, two rounds): bf16 at 1 row
+// 68-72 against 43-45 (one vdpbf16ps chain per panel waits on its latency), 8 rows 437-471
+// against 173-190, 16 rows 720-765 against 181-187, 512 rows ~1,270 against ~200. int8 (session
+// 37, the tiles then loading each group's corrections): 1 row 88-102 against 123-134, 4 rows
+// 344-352 against 373-391, 8 rows even, 12 rows 649-733 against 602-637, so tiles from 9 rows;
+// with tdpbssd on the signed codes (amx.h), the default model's w8a8 decode step, in-process
+// rounds alternated (8), tiles from 2 / 3 rows against from 9: 2 streams 5.12 / - against 5.89
+// ms, 4 streams 6.70 / 6.53 against 8.39, 8 streams 9.16 / 9.01 against 11.08; at one stream the
+// tiles lost (4.76 against 4.53 ms).
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
+constexpr int64_t kAmxMinRowsI8 = 2;
 template <typename Y>
 inline void amx_products_bf16(const uint16_t* xb, int64_t ldx, int64_t M, int64_t kp, const uint16_t* w,
                               int64_t rows, const float* scale, const float* bias, Y* y, int64_t ldy, bool cold);
@@ -881,8 +886,8 @@ inline void panel_rows_i8(const uint8_t* x, int64_t ldx, const float* sx, int64_
 // corrections `corr` [N / 16, groups, 16]) and x already quantized (xq: M rows of stride
 // groups * 64, sx: M x groups scales, quantize_rows_u8): y[i * ldy + r] for r in [0, rows) of
 // columns r0 .., r0 a multiple of 16. Column tiles of 3 panels, each streamed from memory by
-// its first tile of x-rows; the others re-read it from cache. The amx variant multiplies more
-// than kPanelStreamRowsI8 rows by tiles, from x's signed codes (amx.h): xs, the rows' own (from
+// its first tile of x-rows; the others re-read it from cache. The amx variant multiplies
+// kAmxMinRowsI8 rows or more by tiles, from x's signed codes (amx.h): xs, the rows' own (from
 // linear.cpp tile_codes, made once for every call of an operator), or else made here once per
 // thread for these codes (x_epoch: next_x_epoch's id of their quantization; 0: every call).
 inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int64_t K, const int8_t* panels,
@@ -892,7 +897,7 @@ inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int
   const int8_t* w = panels + r0 * ldx;               // panel r0 / 16
   const int32_t* cw = corr + r0 * groups;            // its corrections
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
-  if (M > kPanelStreamRowsI8) {
+  if (M >= kAmxMinRowsI8) {
     if (!xs) {
       thread_local std::vector<int8_t> own;
       thread_local const uint8_t* made_from = nullptr;
