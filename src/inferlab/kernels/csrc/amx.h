@@ -1,8 +1,8 @@
 // AMX tile products (the amx variant: AMX-TILE, AMX-BF16 and AMX-INT8 beside the avx512 variant's
 // flags) on the panels the avx512 kernels multiply: bf16 weights by tdpbf16ps, w8a8's codes by
 // tdpbssd. Included at the end of matvec.h, whose panel_products_bf16 hands every product to
-// these (K a whole number of 32-value tiles) and panel_products_i8 those of more than 8 rows
-// (matvec.h, where the measurements are).
+// these (K a whole number of 32-value tiles) and panel_products_i8 those of 2 rows or more
+// (kAmxMinRowsI8; matvec.h, where the measurements are).
 //
 // Why: one tdpbf16ps is 16 x 16 x 32 products, one tdpbssd 16 x 16 x 64, each in the time of a
 // few dozen vdpbf16ps / vpdpbusd (32 and 64 products each), so a prefill or a many-stream decode
@@ -16,9 +16,8 @@
 //
 // Numerics. w8a8: each group's sum of 64 integer products is exact on either unit (the avx512
 // tiles sum u x w from the group's corrections, the AMX tiles q x w from zero: the same integer),
-// then converted and scaled by the same
-// float32 instructions in the same order, so a row's outputs are the same bits as the avx512
-// variant's at every row count (tests/test_kernels_amx.py). bf16: tdpbf16ps sums pairs of exact
+// then converted and scaled by the same float32 instructions in the same order, so a row's
+// outputs are the same bits as the avx512 variant's at every row count (tests/test_kernels_amx.py). bf16: tdpbf16ps sums pairs of exact
 // bf16 products into float32 as vdpbf16ps does, but not with the same rounding steps (measured:
 // neither pair order, nor one rounding per pair, reproduces its bits), so its sums differ from
 // the avx512 variant's in the last bits; every row count runs on the tiles, so a row's outputs

@@ -334,7 +334,7 @@ void for_row_passes(int64_t M, int64_t blocks, const F& fn, int64_t align, int64
 // linear_panels_i8_q_rope_kv): each task's chunk of whole heads is multiplied into a buffer of
 // its own (float32 sums, as the plain product gives them) by product(m0, rows, c0, cols, buf) and
 // its heads rotated and written from there (rope_kv.h, rope_write_kv's code) while they are in
-// L1. Why: rope_write_kv read the finished [T, (H + 2 kvH) * D] product back from L3 and the
+// this core's cache. Why: rope_write_kv read the finished [T, (H + 2 kvH) * D] product back from L3 and the
 // other core's L2 (the product's column chunks are shared out, rope's tokens too): 0.8-0.9 ms a
 // layer at 1,024 tokens in a prefill against 0.25 with the same arguments in cache.
 template <typename Product>
@@ -522,29 +522,31 @@ void check_i8_panels(const char* name, int64_t K, const at::Tensor& panels, cons
 }
 
 // x's signed codes for the amx variant's tiles (amx.h), made once for every call of an operator
-// (its passes and column chunks all read them), the rows shared out over the threads: M rows of
-// stride ldx, zero rows after them to a whole 16-row tile. Empty on the other variants, and
-// where no call reaches the tiles: panel_products_i8 multiplies by tiles from kAmxMinRowsI8
-// rows, amx_silu_q8 at every row count (`any_rows`).
-std::vector<int8_t> tile_codes(const uint8_t* xq, int64_t M, int64_t ldx, bool any_rows = false) {
-  std::vector<int8_t> codes;
+// (its passes and column chunks all read them) in a buffer of the calling thread's, the rows
+// shared out over the threads: M rows of stride ldx, zero rows after them to a whole 16-row
+// tile. Null on the other variants, and where no call reaches the tiles: panel_products_i8
+// multiplies by tiles from kAmxMinRowsI8 rows, amx_silu_q8 at every row count (`any_rows`).
+const int8_t* tile_codes(const uint8_t* xq, int64_t M, int64_t ldx, bool any_rows = false) {
 #ifdef INFERLAB_AMX
-  if (!any_rows && M < kAmxMinRowsI8) return codes;
+  if (!any_rows && M < kAmxMinRowsI8) return nullptr;
+  thread_local std::vector<int8_t> mine;  // grown, never shrunk: no zero-fill of what is written anyway
   const int64_t tiles = (M + 15) / 16;
-  codes.resize(tiles * 16 * ldx);
+  if (static_cast<int64_t>(mine.size()) < tiles * 16 * ldx) mine.resize(tiles * 16 * ldx);
+  int8_t* codes = mine.data();
   at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
-    flip_code_rows(xq, ldx, t0 * 16, std::min(M, t1 * 16), codes.data());
-    if (t1 * 16 > M) std::memset(codes.data() + M * ldx, 0, (t1 * 16 - M) * ldx);
+    flip_code_rows(xq, ldx, t0 * 16, std::min(M, t1 * 16), codes);
+    if (t1 * 16 > M) std::memset(codes + M * ldx, 0, (t1 * 16 - M) * ldx);
   });
+  return codes;
 #else
   (void)xq, (void)M, (void)ldx, (void)any_rows;
+  return nullptr;
 #endif
-  return codes;
 }
 
 // Row m0's signed codes in tile_codes' result (null where it made none).
-inline const int8_t* codes_at(const std::vector<int8_t>& codes, int64_t m0, int64_t ldx) {
-  return codes.empty() ? nullptr : codes.data() + m0 * ldx;
+inline const int8_t* codes_at(const int8_t* codes, int64_t m0, int64_t ldx) {
+  return codes ? codes + m0 * ldx : nullptr;
 }
 
 // y [M, n] from x's codes (u8, rows of i8_groups(K) * 64) and scales [M, i8_scale_groups(K)]: 64 rows
@@ -557,7 +559,7 @@ void products_i8(const uint8_t* qp, const float* sp, int64_t M, int64_t K, const
   const int8_t* wp = panels.data_ptr<int8_t>();
   const int32_t* cp = corr.data_ptr<int32_t>();
   const float* scp = scale.data_ptr<float>();
-  const std::vector<int8_t> xs = tile_codes(qp, M, ldx);
+  const int8_t* xs = tile_codes(qp, M, ldx);
   const int64_t row_blocks = (M + kPanelRowBlock - 1) / kPanelRowBlock, threads = at::get_num_threads();
   if (kI8SplitRows && row_blocks >= 2 * threads) {
     // Each thread whole blocks of rows over every panel: one fork and join a product, and x's
@@ -659,7 +661,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_panels_i8_q_rope_kv(
   const int8_t* wp = panels.data_ptr<int8_t>();
   const int32_t* cp = corr.data_ptr<int32_t>();
   const float* scp = scale.data_ptr<float>();
-  const std::vector<int8_t> xs = tile_codes(qp, a.t, ldx);
+  const int8_t* xs = tile_codes(qp, a.t, ldx);
   products_rope_kv(a, k_cache, v_cache, (n + kPanel - 1) / kPanel, kPanelsPerTileI8, ldx, kPanel * ldx,
                    [&](int64_t m0, int64_t mm, int64_t c0, int64_t cols, float* buf) {
                      panel_products_i8(qp + m0 * ldx, sp + m0 * ls, mm, k, wp, cp, c0, cols, scp, bias_p, buf, cols,
@@ -722,9 +724,9 @@ std::tuple<at::Tensor, at::Tensor> linear_panels_i8_silu_q(const at::Tensor& xq,
   const float* sp = sx.data_ptr<float>();
   uint8_t* cp = codes.data_ptr<uint8_t>();
   float* op = scales.data_ptr<float>();
-  const std::vector<int8_t> xs = tile_codes(qp, M, groups * kI8Group, /*any_rows=*/true);
+  const int8_t* xs = tile_codes(qp, M, groups * kI8Group, /*any_rows=*/true);
   for_row_passes(M, out_groups, [&](int64_t m0, int64_t mm, int64_t o0, int64_t o1) {
-    amx_silu_q8(xs.data() + m0 * groups * kI8Group, sp + m0 * groups, mm, groups, panels.data_ptr<int8_t>(),
+    amx_silu_q8(xs + m0 * groups * kI8Group, sp + m0 * groups, mm, groups, panels.data_ptr<int8_t>(),
                 scale.data_ptr<float>(), half, o0, o1, cp + m0 * half, op + m0 * out_groups, half, out_groups);
   }, 1, groups * kI8Group, 2 * kI8Group * groups * kI8Group);
   return {codes, scales};
