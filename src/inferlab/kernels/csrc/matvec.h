@@ -697,12 +697,26 @@ constexpr int64_t kI8Group = 64;  // k values a panel and x's code rows are padd
 inline int64_t i8_groups(int64_t K) { return (K + kI8Group - 1) / kI8Group; }
 
 // A process-wide unique id for one quantization of x (never 0): panel_products_i8 callers pass it
-// with the codes, and the AVX2 variant then prepares those codes for its tiles once per thread,
-// not once per call (a linear's columns go out in many calls: 8-14% of a 512-row product).
+// with the codes, and the AVX2 variant (and the amx variant's tiles) then prepare those codes once
+// per thread, not once per call (a linear's columns go out in many calls: 8-14% of a 512-row product).
 inline uint64_t next_x_epoch() {
   static std::atomic<uint64_t> epochs{0};
   return ++epochs;
 }
+
+// The codes a thread's own copy of x (the avx2 variant's TiledX, the amx variant's signed codes)
+// was made from: `same` says whether these codes at this epoch are what it holds (epoch 0: never),
+// and otherwise records them, the caller then making the copy anew.
+struct MadeFrom {
+  const uint8_t* xq = nullptr;
+  int64_t m = 0;
+  uint64_t epoch = 0;
+  bool same(const uint8_t* q, int64_t rows, uint64_t e) {
+    if (e != 0 && e == epoch && q == xq && rows == m) return true;
+    xq = q, m = rows, epoch = e;
+    return false;
+  }
+};
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 // -- the AVX-512 variant: vpdpbusd --
@@ -900,13 +914,8 @@ inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int
   if (M >= kAmxMinRowsI8) {
     if (!xs) {
       thread_local std::vector<int8_t> own;
-      thread_local const uint8_t* made_from = nullptr;
-      thread_local int64_t made_m = 0;
-      thread_local uint64_t made_epoch = 0;
-      if (x_epoch == 0 || x_epoch != made_epoch || xq != made_from || M != made_m) {
-        amx_signed_codes(xq, ldx, M, own);
-        made_from = xq, made_m = M, made_epoch = x_epoch;
-      }
+      thread_local MadeFrom made;
+      if (!made.same(xq, M, x_epoch)) amx_signed_codes(xq, ldx, M, own);
       xs = own.data();
     }
     amx_products_i8(xs, sx, M, groups, w, rows, scale + r0, bias ? bias + r0 : nullptr, y, ldy);
@@ -1365,13 +1374,8 @@ inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int
                               const float* bias, float* y, int64_t ldy, bool /*cold*/, uint64_t x_epoch = 0,
                               const int8_t* /*xs: the amx variant's*/ = nullptr) {
   thread_local TiledX tx;  // per thread, grown once
-  thread_local const uint8_t* made_from = nullptr;  // the codes tx holds: these, at this epoch
-  thread_local int64_t made_m = 0;
-  thread_local uint64_t made_epoch = 0;
-  if (x_epoch == 0 || x_epoch != made_epoch || xq != made_from || M != made_m) {
-    interleave_x_i8(xq, sx, M, i8_groups(K) * kI8Group, tx);
-    made_from = xq, made_m = M, made_epoch = x_epoch;
-  }
+  thread_local MadeFrom made;  // the codes tx holds
+  if (!made.same(xq, M, x_epoch)) interleave_x_i8(xq, sx, M, i8_groups(K) * kI8Group, tx);
   panel_products_i8_tiled(xq, sx, tx, M, K, panels, corr, r0, rows, scale, bias, y, ldy);
 }
 #endif  // __AVX512VNNI__
