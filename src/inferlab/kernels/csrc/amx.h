@@ -17,7 +17,8 @@
 // Numerics. w8a8: each group's sum of 64 integer products is exact on either unit (the avx512
 // tiles sum u x w from the group's corrections, the AMX tiles q x w from zero: the same integer),
 // then converted and scaled by the same float32 instructions in the same order, so a row's
-// outputs are the same bits as the avx512 variant's at every row count (tests/test_kernels_amx.py). bf16: tdpbf16ps sums pairs of exact
+// outputs are the same bits as the avx512 variant's at every row count
+// (tests/test_kernels_amx.py). bf16: tdpbf16ps sums pairs of exact
 // bf16 products into float32 as vdpbf16ps does, but not with the same rounding steps (measured:
 // neither pair order, nor one rounding per pair, reproduces its bits), so its sums differ from
 // the avx512 variant's in the last bits; every row count runs on the tiles, so a row's outputs

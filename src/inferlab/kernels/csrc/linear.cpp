@@ -334,9 +334,9 @@ void for_row_passes(int64_t M, int64_t blocks, const F& fn, int64_t align, int64
 // linear_panels_i8_q_rope_kv): each task's chunk of whole heads is multiplied into a buffer of
 // its own (float32 sums, as the plain product gives them) by product(m0, rows, c0, cols, buf) and
 // its heads rotated and written from there (rope_kv.h, rope_write_kv's code) while they are in
-// this core's cache. Why: rope_write_kv read the finished [T, (H + 2 kvH) * D] product back from L3 and the
-// other core's L2 (the product's column chunks are shared out, rope's tokens too): 0.8-0.9 ms a
-// layer at 1,024 tokens in a prefill against 0.25 with the same arguments in cache.
+// this core's cache. Why: rope_write_kv read the finished [T, (H + 2 kvH) * D] product back from
+// L3 and the other core's L2 (the product's column chunks are shared out, rope's tokens too):
+// 0.8-0.9 ms a layer at 1,024 tokens in a prefill against 0.25 with the same arguments in cache.
 template <typename Product>
 void products_rope_kv(const inferlab_rope_kv::RopeKv& a, at::Tensor& k_cache, at::Tensor& v_cache, int64_t blocks,
                       int64_t align, int64_t x_row_bytes, int64_t block_bytes, const Product& product) {
@@ -674,10 +674,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_panels_i8_q_rope_kv(
 static_assert(kI8ScaleGroup == kI8Group, "w8a8 on the amx variant: one scale per group of x's codes");
 
 // w8a8's SiLU(gate) * up as the down product's codes, from the gate/up panels' tiles: for the M
-// rows of x's signed codes (xs, stride ldx, tile_codes; scales sx, stride groups) and the output groups [o0, o1)
-// (each 64 columns: 4 gate panels, their 4 up panels `half` columns on), the products' float32
-// sums of one row tile (amx_tile_i8, as linear_panels_i8_q stores them), silu_mul_row, then
-// quantize_row_u8 of each row's 64 values: the bits of silu_mul_q8(linear_panels_i8_q(...)).
+// rows of x's signed codes (xs, stride ldx, tile_codes; scales sx, stride groups) and the output
+// groups [o0, o1) (each 64 columns: 4 gate panels, their 4 up panels `half` columns on), the
+// products' float32 sums of one row tile (amx_tile_i8, as linear_panels_i8_q stores them),
+// silu_mul_row, then quantize_row_u8 of each row's 64 values: the bits of
+// silu_mul_q8(linear_panels_i8_q(...)).
 void amx_silu_q8(const int8_t* xs, const float* sx, int64_t M, int64_t groups, const int8_t* w,
                  const float* scale, int64_t half, int64_t o0, int64_t o1, uint8_t* codes, float* scales,
                  int64_t ldc, int64_t lds) {
@@ -712,7 +713,7 @@ void amx_silu_q8(const int8_t* xs, const float* sx, int64_t M, int64_t groups, c
 std::tuple<at::Tensor, at::Tensor> linear_panels_i8_silu_q(const at::Tensor& xq, const at::Tensor& sx, int64_t k,
                                                            const at::Tensor& panels, const at::Tensor& corr,
                                                            const at::Tensor& scale, int64_t n) {
-  const int64_t groups = i8_groups(k);
+  const int64_t groups = i8_groups(k), ldx = groups * kI8Group;  // a row of codes' bytes
   check_i8_codes("linear_panels_i8_silu_q", xq, sx, k);
   check_i8_panels("linear_panels_i8_silu_q", k, panels, corr, scale, n);
   TORCH_CHECK(n % (2 * kI8Group) == 0, "inferlab linear_panels_i8_silu_q: n (", n, ") must be a multiple of ",
@@ -724,11 +725,11 @@ std::tuple<at::Tensor, at::Tensor> linear_panels_i8_silu_q(const at::Tensor& xq,
   const float* sp = sx.data_ptr<float>();
   uint8_t* cp = codes.data_ptr<uint8_t>();
   float* op = scales.data_ptr<float>();
-  const int8_t* xs = tile_codes(qp, M, groups * kI8Group, /*any_rows=*/true);
+  const int8_t* xs = tile_codes(qp, M, ldx, /*any_rows=*/true);
   for_row_passes(M, out_groups, [&](int64_t m0, int64_t mm, int64_t o0, int64_t o1) {
-    amx_silu_q8(xs + m0 * groups * kI8Group, sp + m0 * groups, mm, groups, panels.data_ptr<int8_t>(),
+    amx_silu_q8(xs + m0 * ldx, sp + m0 * groups, mm, groups, panels.data_ptr<int8_t>(),
                 scale.data_ptr<float>(), half, o0, o1, cp + m0 * half, op + m0 * out_groups, half, out_groups);
-  }, 1, groups * kI8Group, 2 * kI8Group * groups * kI8Group);
+  }, 1, ldx, 2 * kI8Group * ldx);  // an output group: its 4 gate and 4 up panels
   return {codes, scales};
 }
 #endif
