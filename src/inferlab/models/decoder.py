@@ -21,6 +21,7 @@ from inferlab.kernels.int4 import INT4, Int4Weight, cat_rows, quantize
 from inferlab.kernels.linear import MKL_MIN_ROWS, DenseLinear, Int4Linear, WeightOnlyLinear, make_linear
 from inferlab.models.attention import AttentionMetadata, PagedDecode, paged_attention
 from inferlab.models.backends import Backends, select_backends
+from inferlab.models.huge_pages import HugeArena, release_freed
 from inferlab.models.kv_cache import KVCache, write_kv
 from inferlab.models.precision import ResolvedPrecision, dtype_name
 from inferlab.models.rope import apply_rope, rope_cache
@@ -133,6 +134,8 @@ class DecoderModel:
                 )
             )
         device = self.final_norm.device
+        if device.type == "cpu":
+            self._weights_to_huge_pages()
         self.cos, self.sin = (t.to(device) for t in rope_cache(
             c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings, dtype
         ))
@@ -196,15 +199,30 @@ class DecoderModel:
             how = f"plain torch, dequantized per call: {why}"
         return f"weights {wd} ({how}), compute {cd}, {self.weight_nbytes / 1e6:.1f} MB of weights"
 
+    def _linears(self) -> list[Linear]:
+        """Every linear the model holds, each once (a tied lm_head is the embedding)."""
+        linears: list[Linear] = [self.embed] + ([self.lm_head] if self.lm_head is not self.embed else [])
+        for layer in self.layers:
+            linears += [layer.qkv, layer.o, layer.gate_up, layer.down]
+        return linears
+
+    def _weights_to_huge_pages(self) -> None:
+        """Every linear's weight copied onto huge pages, in the order a step reads them
+        (models/huge_pages.py: a decode step streams them all). An int4 linear's codes stay
+        where they are (its Int4Weight holds them too: a copy would be a second one)."""
+        arena = HugeArena()
+        for lin in self._linears():
+            if not isinstance(lin, Int4Linear):
+                lin.weight = arena.copy(lin.weight)
+        release_freed()
+
     @property
     def weight_nbytes(self) -> int:
         """Bytes of every weight the model holds (linears, embedding, norms)."""
-        linears: list[Linear] = [self.embed] + ([self.lm_head] if self.lm_head is not self.embed else [])
         norms = [self.final_norm]
         for layer in self.layers:
-            linears += [layer.qkv, layer.o, layer.gate_up, layer.down]
             norms += [t for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm) if t is not None]
-        return sum(lin.nbytes for lin in linears) + sum(t.nbytes for t in norms)
+        return sum(lin.nbytes for lin in self._linears()) + sum(t.nbytes for t in norms)
 
     @property
     def decode_weight_nbytes(self) -> int:

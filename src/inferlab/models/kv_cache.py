@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from inferlab.models.huge_pages import zeros_huge
+
 INT8_MAX = 127
 SCALE_DTYPE = torch.float32  # see the module docstring
 
@@ -70,13 +72,21 @@ def allocate_kv_cache(
     num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int, dtype: torch.dtype, device: str = "cpu"
 ) -> list[KVCache]:
     """One KVCache per layer. Zero-filled: padded context positions point at real slots
-    whose contents are masked out, and masked-out NaNs would still poison the output (0 * NaN)."""
+    whose contents are masked out, and masked-out NaNs would still poison the output (0 * NaN).
+    On the CPU K and V are on huge pages (models/huge_pages.py): a decode step reads every
+    context's rows, from blocks anywhere in the pool."""
+    shape = (num_kv_heads, num_slots, head_dim)
+
+    def zeros(*size: int, dtype: torch.dtype) -> torch.Tensor:
+        if torch.device(device).type == "cpu":
+            return zeros_huge(size, dtype)
+        return torch.zeros(size, dtype=dtype, device=device)
 
     def one() -> KVCache:
-        k, v = (torch.zeros(num_kv_heads, num_slots, head_dim, dtype=dtype, device=device) for _ in range(2))
+        k, v = (zeros(*shape, dtype=dtype) for _ in range(2))
         if dtype != torch.int8:
             return KVCache(k, v)
-        ks, vs = (torch.zeros(num_kv_heads, num_slots, dtype=SCALE_DTYPE, device=device) for _ in range(2))
+        ks, vs = (zeros(num_kv_heads, num_slots, dtype=SCALE_DTYPE) for _ in range(2))
         return KVCache(k, v, ks, vs)
 
     return [one() for _ in range(num_layers)]
