@@ -207,7 +207,7 @@ class DecoderModel:
         return linears
 
     def _weights_to_huge_pages(self) -> None:
-        """Every linear's weight copied onto huge pages, in the order a step reads them
+        """Every linear's weight copied onto huge pages, a layer's after the one before
         (models/huge_pages.py: a decode step streams them all). An int4 linear's codes stay
         where they are (its Int4Weight holds them too: a copy would be a second one)."""
         arena = HugeArena()
