@@ -6,11 +6,12 @@ a 2 MiB page covers 512 of them. Linux gives anonymous memory huge pages ("trans
 pages") when THP is "always", or when it is "madvise" (the usual default) and the range asked
 for them before its pages were first touched: so these tensors live in mappings of their own,
 2 MiB-aligned and advised, not in malloc's heap (whose pages may be touched already, and which
-does not ask). Measured on 2 cores of the Xeon with AMX (THP "madvise"), processes alternated:
-the default model's decode step at 32 streams 26.4 -> 24.5 ms (4 pairs, each faster), w8a8's
-20.4 -> 19.5 (5 pairs, 4 faster), one stream 10.5 -> 9.55 ms; the same as glibc's
-`glibc.malloc.hugetlb=1` tunable gave the whole process (19.5 at 32 streams, w8a8). The K/V cache
-and the weights of 2 MB or more alone: within noise, so the smaller weights come too.
+does not ask). Measured on 2 cores of the Xeon with AMX (THP "madvise"), processes alternated
+against the commit before (3 pairs each, every pair faster): the default model's decode step at
+32 streams 26.55 / 26.59 / 26.48 -> 24.81 / 24.73 / 25.09 ms, w8a8's 21.13 / 20.84 / 21.82 ->
+21.07 / 20.25 / 20.00, one stream 10.05 / 9.97 / 9.91 -> 9.93 / 9.17 / 9.60; as much as glibc's
+`glibc.malloc.hugetlb=1` tunable gave the whole process. The K/V cache and only the weights of
+2 MB or more: within noise, so the 30 layers' smaller weights come too (MIN_BYTES).
 
 Where THP is "never", or no huge page is free, the same mappings get 4 KiB pages: the tensors
 are the same, only their speed differs.
@@ -25,7 +26,7 @@ import torch
 
 HUGE_PAGE = 2 << 20
 MIN_BYTES = 64 << 10  # smaller weights (norms, scales, tests' tiny models) stay where they are
-CHUNK_BYTES = 64 << 20  # a HugeArena's mappings: the weights of a few layers each
+CHUNK_BYTES = 64 << 20  # a HugeArena's mappings: the weights of several layers each
 
 
 def _advised(nbytes: int) -> tuple[mmap.mmap, int]:
