@@ -51,16 +51,19 @@ def test_arena_copies_keep_values_and_share_chunks():
     srcs = [torch.randn(300, 577, generator=g).to(dt) for dt in (torch.float32, torch.bfloat16, torch.float16)]
     srcs.append(torch.randint(-128, 127, (513, 1025), generator=g, dtype=torch.int8))
     copies = [arena.copy(s) for s in srcs]
+    expected = [s.clone() for s in srcs]
     for s, c in zip(srcs, copies):
         assert c.dtype == s.dtype and c.shape == s.shape and torch.equal(c, s)
         assert c.data_ptr() != s.data_ptr() and c.data_ptr() % 64 == 0 and advised(c.data_ptr())
     assert copies[1].data_ptr() == copies[0].data_ptr() + -(-srcs[0].nbytes // 64) * 64  # one after another
     big = torch.ones(5 * HUGE_PAGE, dtype=torch.uint8)  # larger than a chunk: a chunk of its own
-    assert torch.equal(arena.copy(big), big)
+    big_copy = arena.copy(big)
+    assert torch.equal(big_copy, big) and big_copy.data_ptr() % HUGE_PAGE == 0
     tiny = torch.ones(8)
     assert arena.copy(tiny) is tiny
-    del arena, srcs  # the copies keep their chunks alive
-    assert int(copies[3].sum()) == int(copies[3].long().sum())
+    del arena, srcs, big, big_copy  # the copies keep their chunks alive
+    scratch = [torch.full((1 << 20,), 7, dtype=torch.int32) for _ in range(8)]  # reuse anything freed
+    assert all(torch.equal(c, e) for c, e in zip(copies, expected)) and scratch
 
 
 @needs_madvise

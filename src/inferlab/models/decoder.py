@@ -210,11 +210,13 @@ class DecoderModel:
         """Every linear's weight copied onto huge pages, a layer's after the one before
         (models/huge_pages.py: a decode step streams them all). An int4 linear's codes stay
         where they are (its Int4Weight holds them too: a copy would be a second one)."""
-        arena = HugeArena()
+        arena, moved = HugeArena(), False
         for lin in self._linears():
             if not isinstance(lin, Int4Linear):
-                lin.weight = arena.copy(lin.weight)
-        release_freed()
+                w, lin.weight = lin.weight, arena.copy(lin.weight)
+                moved |= lin.weight is not w
+        if moved:  # the old copies are free now (a tiny model's stay: nothing to hand back)
+            release_freed()
 
     @property
     def weight_nbytes(self) -> int:
