@@ -167,15 +167,25 @@ inline __m512 load16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 
-// Lane j of the result: the sum of a[j]'s 16 lanes (the 256-bit halves added, then dot8's tree).
+// Lane j of the result: the sum of a[j]'s 16 lanes, in dot8's order: p_i = lane i + lane i + 8,
+// then ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)). Why on 512-bit registers: the same
+// tree through 256-bit halves and hadd (3 uops each) took ~37 uops per 8 sums, more than the
+// vdpbf16ps making them (3 heads x 8 keys: ~40% of the scores pass's instructions); here 25.
 inline __m256 sum8x16(const __m512* a) {
-  __m256 h[8];
-  for (int j = 0; j < 8; ++j)
-    h[j] = _mm256_add_ps(_mm512_castps512_ps256(a[j]),
-                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[j]), 1)));
-  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
-  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(h[4], h[5]), _mm256_hadd_ps(h[6], h[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+  // p of a[j] and a[j + 1] side by side: lanes 0-7 a[j]'s, 8-15 a[j + 1]'s.
+  __m512 b[4];
+  for (int j = 0; j < 4; ++j)
+    b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // Adjacent pairs, twice (each 128-bit lane: two rows' pairs, then their sums of four).
+  auto pairs = [](__m512 x, __m512 y) {
+    return _mm512_add_ps(_mm512_shuffle_ps(x, y, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+  };
+  // d's 128-bit lanes: [a0 a2 a4 a6] first halves, [a0 a2 a4 a6] second, [a1 a3 a5 a7] first, second.
+  const __m512 d = pairs(pairs(b[0], b[1]), pairs(b[2], b[3]));
+  const __m512 lo = _mm512_shuffle_f32x4(d, d, _MM_SHUFFLE(2, 0, 2, 0)), hi = _mm512_shuffle_f32x4(d, d, _MM_SHUFFLE(3, 1, 3, 1));
+  const __m256 s = _mm512_castps512_ps256(_mm512_add_ps(lo, hi));  // a0 a2 a4 a6 a1 a3 a5 a7
+  return _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
 // Pass 1 for heads g0 .. g0 + GB - 1: sc[g][t] = qf[g] . k(offs[t]) for t < lp (a multiple of 8),
