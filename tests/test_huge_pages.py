@@ -78,17 +78,27 @@ def test_kv_cache_on_huge_pages():
 
 
 @needs_madvise
-def test_model_weights_move_to_huge_pages(tmp_path):
+def test_model_weights_move_to_huge_pages(tmp_path, monkeypatch):
+    """The large weights land in advised mappings, hold the values a model that kept them where
+    they were loaded holds, and the two generate the same greedy tokens."""
     from inferlab import LLM, SamplingParams
+    from inferlab.models.decoder import DecoderModel
     from inferlab.models.testing import make_tiny_hf_model
 
     path = make_tiny_hf_model(tmp_path, arch="llama", hidden_size=256, intermediate_size=512,
                               num_attention_heads=4, num_key_value_heads=2)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = [{"prompt_token_ids": [5, 6, 7, 8]}]
     llm = LLM(str(path), weight_dtype="float16", enable_prefix_caching=False)
     m = llm.engine.runner.model
     moved = [lin.weight for lin in m._linears() if lin.weight.nbytes >= MIN_BYTES]
     assert moved and all(advised(w.data_ptr()) for w in moved)
-    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    first = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], greedy)[0].outputs[0].token_ids
-    assert len(first) == 8
-    assert llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], greedy)[0].outputs[0].token_ids == first
+    tokens = llm.generate(prompt, greedy)[0].outputs[0].token_ids
+    assert len(tokens) == 8
+
+    monkeypatch.setattr(DecoderModel, "_weights_to_huge_pages", lambda self: None)  # the weights stay put
+    ref = LLM(str(path), weight_dtype="float16", enable_prefix_caching=False)
+    kept = [lin.weight for lin in ref.engine.runner.model._linears() if lin.weight.nbytes >= MIN_BYTES]
+    assert len(kept) == len(moved) and not any(advised(w.data_ptr()) for w in kept)
+    assert all(torch.equal(a, b) for a, b in zip(moved, kept))
+    assert ref.generate(prompt, greedy)[0].outputs[0].token_ids == tokens
