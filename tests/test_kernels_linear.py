@@ -459,8 +459,8 @@ def test_bf16_products_are_bf16_x_times_bf16_w_in_float32(m):
     assert 1e-6 < rel < 2.0**-7  # x really was rounded (a float32 product is ~1e-7), and no worse than that
 
 
-# K: a tail group, whole groups, both; 300 rows: the AVX2 variant shares rows out (kI8SplitRows)
-W8A8_CASES = [(m, k) for k in (45, 576, 600) for m in (1, 3, 4, 5, 32, 127, 300)]
+# K: a tail group, whole groups, both (600, 700: the last of the avx512 scales over 1 and 2 groups); 300 rows: the AVX2 variant shares rows out (kI8SplitRows)
+W8A8_CASES = [(m, k) for k in (45, 576, 600, 700) for m in (1, 3, 4, 5, 32, 127, 300)]
 
 
 def x_scales_pow2(t: torch.Tensor, per_block: int) -> torch.Tensor:
@@ -493,7 +493,7 @@ def w8a8_reference(x: torch.Tensor, lin: WeightOnlyLinear) -> tuple[torch.Tensor
     kernel = build.kernel_info()
     g, qmax = kernel.int8_x_group, kernel.int8_x_max
     m, k = x.shape
-    n, groups = lin.out_features, -(-k // 64) * 64 // g
+    n, groups = lin.out_features, -(-(-(-k // 64) * 64) // g)  # the last scale may cover fewer values
     xg = F.pad(x, (0, groups * g - k)).view(m, groups, g)
     amax = xg.abs().amax(-1)
     if kernel.int8_scale_block:
@@ -550,7 +550,7 @@ def test_w8a8_is_int8_x_per_group_times_the_codes(m, k):
     kernel = build.kernel_info()
     assert list(torch.ops.inferlab.w8a8_numerics()) == [kernel.int8_x_group, kernel.int8_x_max, kernel.int8_panel_xor,
                                                        kernel.int8_scale_block]
-    assert {"amx": (64, 127, 0, 0), "avx512": (64, 127, 0, 0), "avx2": (16, 63, 128, 256)}[kernel.variant] == (
+    assert {"amx": (192, 127, 0, 0), "avx512": (192, 127, 0, 0), "avx2": (16, 63, 128, 256)}[kernel.variant] == (
         kernel.int8_x_group, kernel.int8_x_max, kernel.int8_panel_xor, kernel.int8_scale_block)
     n = 37
     lin = WeightOnlyLinear(_weight(n, k), torch.int8, torch.randn(n), int8_activations=True)
@@ -853,7 +853,7 @@ def test_w8a8_norm_and_silu_hand_over_the_codes_the_product_would_make(m, k):
     codes, scales = ops.add_rms_norm_q8_(x_q8, r, w, 1e-5)
     per = build.kernel_info().int8_x_group  # x values per scale on this variant
     assert codes.dtype == torch.uint8 and codes.shape == (m, -(-k // 64) * 64)
-    assert scales.shape == (m, -(-k // 64) * 64 // per)
+    assert scales.shape == (m, -(-(-(-k // 64) * 64) // per))
     assert torch.equal(x_q8, x_plain)
     assert torch.equal(lin.product_q8(codes, scales), want)
     gate_up = torch.randn(m, 2 * k, generator=g) * 3

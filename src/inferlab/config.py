@@ -48,8 +48,9 @@ class ModelConfig:
 
 
 # int8: weight-only (float products); w8a8: int8 weights and x quantized per group on the fly,
-# integer dot products (8-bit x per 64 values by vpdpbusd on the AVX-512 kernel variant, 7-bit per
-# 16 by vpmaddubsw on AVX2; not without the kernels), faster in batches, less accurate.
+# integer dot products (8-bit x per 192 values by vpdpbusd / AMX tiles on the AVX-512 kernel
+# variants, 7-bit per 16 by vpmaddubsw on AVX2; not without the kernels), SmoothQuant's scales
+# folded into the weights at load (models/smoothing.py), faster in batches, less accurate.
 # int4: 4-bit codes with a float16 scale and min per group of 32 (GGUF Q4_0 / Q4_1 / Q4_K kept as
 # they are), x quantized per group of 32, integer dot products on both kernel variants.
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "w8a8", "int4")

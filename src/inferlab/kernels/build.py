@@ -77,7 +77,7 @@ class KernelInfo:
     int8_dot: the integer dot product that int8 weights with int8 activations (weight_dtype w8a8)
     run on, codes in panels, "vpdpbusd" (VNNI; "vpdpbusd, tdpbusd" on amx) or "vpmaddubsw"
     (AVX2), or "" (no kernels: no w8a8); int8_x_group and
-    int8_x_max: how w8a8 quantizes x (values per scale, largest code: 64 and 127 on AVX-512, 16
+    int8_x_max: how w8a8 quantizes x (values per scale, largest code: 192 and 127 on AVX-512, 16
     and 63 on AVX2, whose vpmaddubsw holds 7-bit x exactly; csrc/matvec.h), and int8_panel_xor
     what the panels hold (128: the codes' sign bit flipped, u = w + 128, vpmaddubsw's unsigned
     operand), int8_scale_block how its scales are held (256 on AVX2: per 256 values a power of two,
@@ -116,7 +116,7 @@ class KernelInfo:
 
     @property
     def int8_x_group(self) -> int:
-        return 64 if self.avx512 else 16 if self.variant == "avx2" else 0
+        return 192 if self.avx512 else 16 if self.variant == "avx2" else 0
 
     @property
     def int8_x_max(self) -> int:

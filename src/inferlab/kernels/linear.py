@@ -245,8 +245,10 @@ class WeightOnlyLinear:
             self.row_sums = (panel_corrections_i8(self.weight) if not self.panel_xor
                              else torch.empty(0, dtype=torch.int32))
             self.bf16_gemm = False
-        # w8a8's the same on the amx variant (`product_silu_q8`): each half whole groups of 64.
-        self.silu_tiles_q8 = self.i8_panels and kernel.amx and bias is None and self.out_features % 128 == 0
+        # w8a8's the same on the amx variant (`product_silu_q8`): each half whole scales of x
+        # (the down product's: kernel.int8_x_group values each).
+        self.silu_tiles_q8 = (self.i8_panels and kernel.amx and bias is None
+                              and self.out_features % (2 * kernel.int8_x_group) == 0)
 
     @property
     def bf16_x_min_rows(self) -> int | None:
@@ -335,8 +337,8 @@ class WeightOnlyLinear:
                                                           self.scale, self.out_features)
 
     def product_q8(self, xq: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
-        """x @ W^T (+ bias) from x already quantized for w8a8's panels (u8 codes per group of 64
-        and their scales, as fused.cpp's add_rms_norm_q8_ and silu_mul_q8 make them): the bits
+        """x @ W^T (+ bias) from x already quantized for w8a8's panels (u8 codes in groups of 64,
+        a scale per kernel.int8_x_group values, as fused.cpp's add_rms_norm_q8_ and silu_mul_q8 make them): the bits
         `kernel` gives for the float32 rows those codes were made from."""
         if not self.i8_panels:
             raise ValueError("product_q8 needs w8a8 weights (in panels)")

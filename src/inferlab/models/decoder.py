@@ -188,6 +188,7 @@ class DecoderModel:
                 how += f", {kernel.describe_w8a8()}"
                 if getattr(e, "i8_panels", False):
                     how += ", codes in panels"
+                how += ", SmoothQuant scales folded in at load"
             elif isinstance(e, Int4Linear):
                 how += f", 4-bit codes x int8 x per 32 values, {kernel.int4_dot}"
                 if not isinstance(self.lm_head, Int4Linear):

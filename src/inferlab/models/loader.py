@@ -6,6 +6,7 @@ branch in the runner.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from inferlab.models.hf_loader import load_hf_dir
 from inferlab.models.loaded import LoadedModel
 from inferlab.models.precision import ResolvedPrecision, resolve_precision
 from inferlab.models.registry import detect_format, resolve_model
+from inferlab.models.smoothing import smooth_weights
 
 __all__ = ["LOADERS", "LoadedModel", "load_model"]
 
@@ -31,6 +33,16 @@ LOADERS: dict[str, Callable[[Path, torch.dtype, str], LoadedModel]] = {
 
 def _default_name(path: Path) -> str:
     return path.stem if path.is_file() else path.name
+
+
+def _smoothed(loaded: LoadedModel, precision: ResolvedPrecision) -> LoadedModel:
+    """w8a8's weights with SmoothQuant's scales folded in (models/smoothing.py), before any
+    linear quantizes them; every other mode's as they are."""
+    if precision.int8_activations:
+        loaded.weights = smooth_weights(loaded.config, loaded.weights)
+        # the lm_head now differs from the embedding (smoothed): its own weight from here on
+        loaded.config = dataclasses.replace(loaded.config, tie_word_embeddings=False)
+    return loaded
 
 
 def load_model(
@@ -60,7 +72,8 @@ def load_model(
         source = Path(source).expanduser()
         if not source.exists():
             raise FileNotFoundError(f"model path {str(source)!r} does not exist")
-        return load_dummy(source, dtype, seed=load_config.seed, device=load_config.device, name=name)
+        return _smoothed(load_dummy(source, dtype, seed=load_config.seed, device=load_config.device, name=name),
+                         precision)
 
     if model_path is None:
         resolved = resolve_model(load_config.model, cache_dir=cache_dir)
@@ -76,6 +89,7 @@ def load_model(
         loaded = load_gguf(path, dtype, name, keep_int4=True)  # Q4 blocks as they are, no dequantize
     else:
         loaded = LOADERS[fmt](path, dtype, name)
+    loaded = _smoothed(loaded, precision)
     if torch.device(load_config.device).type != "cpu":
         # One tensor at a time, so the CPU copy of each is freed as soon as it has moved.
         for key in list(loaded.weights):

@@ -246,9 +246,13 @@ inline const int8_t* amx_signed_codes(const uint8_t* xq, int64_t ldx, int64_t M,
 }
 
 // One row tile (16 rows of signed codes a, stride ldx; their scales s, stride ls) by one panel
-// (w), every group: the group's sums go to C tile 0 or 1 by turns, so that the tiles multiply
-// group g + 1 while the vector units take group g's out (converted, times the rows' scales, into
-// 16 float32 sums held in registers: panel_tile_i8's instructions, in its order). Why: with the
+// (w), every group: the sums of a scale's groups (kI8GroupsPerScale tdpbssd, A and B tiles 4 / 6
+// and 5 / 7 by turns) go to C tile 0 or 1 by turns, so that the tiles multiply the next scale's
+// groups while the vector units take this one's out (converted, times the rows' scales, into 16
+// float32 sums held in registers: panel_tile_i8's instructions, in its order). A scale per 3
+// groups instead of per group (matvec.h quantize_row_u8), the default model's w8a8 engine,
+// processes alternated with the previous commit (3 pairs): a 512-token prefill 107.0 / 96.0 /
+// 102.8 -> 87.9 / 87.5 / 87.5 ms, the 32-stream decode step 19.9 / 20.1 / 20.9 -> 18.9 / 19.4 / 20.3. Why: with the
 // sums taken out of four C tiles through memory after each group, the tiles waited on the vector
 // units and int8 ran no faster than bf16 on tdpbf16ps (2 cores of a Xeon, SmolLM2's layer
 // shapes, GOP/s: 32 rows 1,045-1,120 -> 1,149-1,285, 512 rows 1,183-1,307 -> 1,497-1,597,
@@ -260,32 +264,43 @@ inline void amx_tile_i8(const int8_t* a, int64_t ldx, const float* s, int64_t ls
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   alignas(64) int32_t c[16][16];
-  auto issue = [&](int64_t g) {  // group g's sums into C tile g % 2
-    if (g % 2 == 0) {
-      _tile_zero(0);
-      _tile_loadd(4, a + g * kI8Group, ldx);
-      _tile_loadd(6, w + g * kI8Group * kPanel, 64);
-      _tile_dpbssd(0, 4, 6);
-    } else {
-      _tile_zero(1);
-      _tile_loadd(5, a + g * kI8Group, ldx);
-      _tile_loadd(7, w + g * kI8Group * kPanel, 64);
-      _tile_dpbssd(1, 5, 7);
+// (GCC's tile intrinsics take literal tile numbers: one statement per A / B / C choice.)
+#define INFERLAB_I8_GROUP(C, A, B)                                                       \
+  do {                                                                                    \
+    _tile_loadd(A, a + g * kI8Group, ldx);                                                \
+    _tile_loadd(B, w + g * kI8Group * kPanel, 64);                                        \
+    _tile_dpbssd(C, A, B);                                                                \
+  } while (0)
+  const int64_t scales = (groups + kI8GroupsPerScale - 1) / kI8GroupsPerScale;
+  auto issue = [&](int64_t sg) {  // scale sg's groups' sums into C tile sg % 2
+    const int64_t g0 = sg * kI8GroupsPerScale, g1 = i8_scale_end(g0, groups);
+    if (sg % 2 == 0) _tile_zero(0);
+    else _tile_zero(1);
+    for (int64_t g = g0; g < g1; ++g) {
+      if (sg % 2 == 0) {
+        if (g % 2 == 0) INFERLAB_I8_GROUP(0, 4, 6);
+        else INFERLAB_I8_GROUP(0, 5, 7);
+      } else {
+        if (g % 2 == 0) INFERLAB_I8_GROUP(1, 4, 6);
+        else INFERLAB_I8_GROUP(1, 5, 7);
+      }
     }
   };
+#undef INFERLAB_I8_GROUP
   issue(0);
-  for (int64_t g = 0; g < groups; ++g) {
-    if (g + 1 < groups) issue(g + 1);
-    if (ahead) {  // the next panel's group g, 1 KiB (amx_products_i8)
-      const char* p = reinterpret_cast<const char*>(ahead + g * kI8Group * kPanel);
-      for (int l = 0; l < 1024; l += 64) _mm_prefetch(p + l, _MM_HINT_T1);
+  for (int64_t sg = 0; sg < scales; ++sg) {
+    if (sg + 1 < scales) issue(sg + 1);
+    if (ahead) {  // the next panel's groups of this scale, 1 KiB each (amx_products_i8)
+      const char* p = reinterpret_cast<const char*>(ahead + sg * kI8ScaleGroup * kPanel);
+      const int64_t bytes = (i8_scale_end(sg * kI8GroupsPerScale, groups) - sg * kI8GroupsPerScale) * 1024;
+      for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(p + l, _MM_HINT_T1);
     }
-    if (g % 2 == 0) _tile_stored(0, c, 64);
+    if (sg % 2 == 0) _tile_stored(0, c, 64);
     else _tile_stored(1, c, 64);
 #pragma GCC unroll 16
     for (int i = 0; i < 16; ++i)
       if (i < valid)
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[i])), _mm512_set1_ps(s[i * ls + g]), acc[i]);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[i])), _mm512_set1_ps(s[i * ls + sg]), acc[i]);
   }
   const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
   const __m512 sv = _mm512_maskz_loadu_ps(mask, scale);
@@ -296,7 +311,7 @@ inline void amx_tile_i8(const int8_t* a, int64_t ldx, const float* s, int64_t ls
 }
 
 // panel_products_i8's contract (xs: M rows of x's signed codes, stride groups * 64, readable
-// to a whole 16-row tile (amx_signed_codes); sx: their scales, M x groups; w at panel r0 / 16;
+// to a whole 16-row tile (amx_signed_codes); sx: their scales, M x i8_scale_groups; w at panel r0 / 16;
 // `rows` columns; scale and bias from r0 on). The panels' corrections are not needed.
 // The first row tile of each panel fetches the next panel into L2 as it goes (amx_tile_i8's
 // `ahead`, one group's 1 KiB per group): a tile load stalls until its 16 lines are in, so
@@ -309,15 +324,15 @@ inline void amx_tile_i8(const int8_t* a, int64_t ldx, const float* s, int64_t ls
 inline void amx_products_i8(const int8_t* xs, const float* sx, int64_t M, int64_t groups, const int8_t* w,
                             int64_t rows, const float* scale, const float* bias, float* y, int64_t ldy) {
   thread_local std::vector<float> tail_sx;
-  const int64_t ldx = groups * kI8Group;
-  const AmxRows<float> sr(sx, groups, M, tail_sx);
+  const int64_t ldx = groups * kI8Group, ls = i8_scale_groups(ldx);
+  const AmxRows<float> sr(sx, ls, M, tail_sx);
   const AmxScope tiles(M);
   amx_operands_written();
   const int64_t np = (rows + kPanel - 1) / kPanel;
   const int last = static_cast<int>(rows - (np - 1) * kPanel);
   for (int64_t j = 0; j < np; ++j)  // a panel (9-24 KiB at SmolLM2's K) stays in L1 for every row tile
     for (int64_t m = 0; m < M; m += 16)
-      amx_tile_i8(xs + m * ldx, ldx, sr.tile(m), groups, groups, w + j * kPanel * ldx,
+      amx_tile_i8(xs + m * ldx, ldx, sr.tile(m), ls, groups, w + j * kPanel * ldx,
                   static_cast<int>(std::min<int64_t>(16, M - m)), j == np - 1 ? last : 16, scale + j * kPanel,
                   bias ? bias + j * kPanel : nullptr, y + m * ldy + j * kPanel, ldy,
                   m == 0 && j + 1 < np ? w + (j + 1) * kPanel * ldx : nullptr);

@@ -129,7 +129,7 @@ at::Tensor silu_mul(const at::Tensor& x) {
   return out;
 }
 
-// w8a8's products take x as u8 codes per group of 64 (matvec.h quantize_row_u8). Why these: a
+// w8a8's products take x as u8 codes with a scale per group (matvec.h quantize_row_u8). Why these: a
 // norm's or SiLU's float32 rows (1.2 MB for a 512-token prompt at SmolLM2's 576, 3.1 MB out of
 // SiLU at 1,536) were written out, then read back by linear_panels_i8 to be quantized, after the
 // product before had pushed them out of L2 (the norm took ~240 us a call inside a prefill against

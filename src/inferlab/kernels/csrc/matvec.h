@@ -684,10 +684,12 @@ inline void row_products(const float* x, int64_t M, int64_t K, const int8_t* w, 
 // (to nearest even). Per group, not per row: one scale per row let an outlier channel crush the
 // rest, and on SmolLM2 greedy tokens parted from float32's within 1-2 tokens on 3 of 4 prompts.
 // Each group's integer sum dot_g(q, w) is exact; y = sum_g dot_g * s_g (float32) * w's row scale.
-// The group and qmax are each variant's own (kI8ScaleGroup, kI8QMax, below): 64 values and 127
-// on AVX-512 (vpdpbusd takes 8-bit x whole), 16 values and 63 on AVX2 (vpmaddubsw's int16 pairs
-// hold 7-bit x exactly; the smaller group buys back the lost bit). Decided once per build and
-// reported (kernels/build.py KernelInfo, linear.cpp's w8a8_numerics).
+// The group and qmax are each variant's own (kI8ScaleGroup, kI8QMax, below): 192 values and 127
+// on AVX-512 (vpdpbusd takes 8-bit x whole; a scale per 3 of vpdpbusd's 64-value groups, see
+// quantize_row_u8), 16 values and 63 on AVX2 (vpmaddubsw's int16 pairs hold 7-bit x exactly; the
+// smaller group buys back the lost bit). Decided once per build and reported (kernels/build.py
+// KernelInfo, linear.cpp's w8a8_numerics). The outlier channels that make groups necessary are
+// mostly taken off x at load (models/smoothing.py, SmoothQuant's scales folded into the weights).
 //
 // Both variants keep the codes in panels of 16 output columns (panel_products_i8), and x's codes
 // in rows of whole kI8Group values (i8_groups) with a scale per kI8ScaleGroup of them.
@@ -695,6 +697,7 @@ inline void row_products(const float* x, int64_t M, int64_t K, const int8_t* w, 
 constexpr int64_t kI8Group = 64;  // k values a panel and x's code rows are padded to = bytes per vpdpbusd
 
 inline int64_t i8_groups(int64_t K) { return (K + kI8Group - 1) / kI8Group; }
+inline int64_t i8_scale_groups(int64_t K);  // scales per row of x's codes (below the variants)
 
 // A process-wide unique id for one quantization of x (never 0): panel_products_i8 callers pass it
 // with the codes, and the AVX2 variant (and the amx variant's tiles) then prepare those codes once
@@ -720,7 +723,8 @@ struct MadeFrom {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 // -- the AVX-512 variant: vpdpbusd --
-constexpr int64_t kI8ScaleGroup = kI8Group;  // x values per scale
+constexpr int64_t kI8GroupsPerScale = 3;     // x's codes per scale: 3 groups of 64 (see quantize_row_u8)
+constexpr int64_t kI8ScaleGroup = kI8GroupsPerScale * kI8Group;  // x values per scale
 constexpr int kI8QMax = 127;                  // x's codes: q in [-127, 127], stored as q + 128
 constexpr uint8_t kI8PanelXor = 0;            // the panels hold the codes as they are
 constexpr bool kI8ColumnSums = true;          // `corr` (below) is read
@@ -730,32 +734,38 @@ constexpr bool kI8SplitRows = false;          // linear.cpp products_i8 shares p
 // dot(u, w) = dot(q, w) + 128 * sum(w_group): the weight's per-group sums, times -128, computed
 // once at load (`corr`), start each group's integer sum, which is then exact.
 
-// One row of x as u8 codes, padded to whole groups with 128 (q = 0), and its group scales.
+// One row of x as u8 codes, padded to whole groups of 64 with 128 (q = 0), and its scales, one per
+// kI8ScaleGroup values (the last may hold fewer). Why 192 values a scale and not 64: each scale
+// is a step after the integer sums (convert, multiply-add per 16 outputs), and on the amx
+// variant's tiles that step, once per tdpbssd at 64, held the products at ~1.8 TOP/s where the
+// tiles alone run ~3.5 (profile_step.md, session 41); at 192 it comes once per three. The scale
+// is coarser for it; the load-time smoothing (models/smoothing.py) more than pays that back.
 inline void quantize_row_u8(const float* x, int64_t K, uint8_t* dst, float* scales) {
   const __m512i off = _mm512_set1_epi32(128);
-  for (int64_t g = 0; g * kI8Group < K; ++g) {
-    const int64_t k0 = g * kI8Group, n = std::min(kI8Group, K - k0);
+  const int64_t width = i8_groups(K) * kI8Group;
+  for (int64_t k0 = 0, sg = 0; k0 < width; k0 += kI8ScaleGroup, ++sg) {
+    const int64_t n = std::min(kI8ScaleGroup, K - k0), span = std::min(kI8ScaleGroup, width - k0);
     const float* xg = x + k0;
     float amax = 0.f;
-    if (n == kI8Group) {
+    if (n == kI8ScaleGroup) {
       __m512 mx = _mm512_abs_ps(_mm512_loadu_ps(xg));
-      for (int c = 16; c < kI8Group; c += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(xg + c)));
+      for (int c = 16; c < kI8ScaleGroup; c += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(xg + c)));
       amax = _mm512_reduce_max_ps(mx);
     } else {
       for (int64_t c = 0; c < n; ++c) amax = std::max(amax, std::fabs(xg[c]));
     }
-    scales[g] = amax / 127.f;
+    scales[sg] = amax / 127.f;
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     uint8_t* d = dst + k0;
-    if (n == kI8Group) {
+    if (n == kI8ScaleGroup) {
       const __m512 iv = _mm512_set1_ps(inv);
-      for (int c = 0; c < kI8Group; c += 16) {  // round to nearest even (MXCSR's default), + 128
+      for (int c = 0; c < kI8ScaleGroup; c += 16) {  // round to nearest even (MXCSR's default), + 128
         const __m512i q = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + c), iv)), off);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(d + c), _mm512_cvtepi32_epi8(q));
       }
     } else {
       for (int64_t c = 0; c < n; ++c) d[c] = static_cast<uint8_t>(std::nearbyint(xg[c] * inv) + 128.f);
-      for (int64_t c = n; c < kI8Group; ++c) d[c] = 128;
+      for (int64_t c = n; c < span; ++c) d[c] = 128;
     }
   }
 }
@@ -777,11 +787,21 @@ inline void quantize_row_u8(const float* x, int64_t K, uint8_t* dst, float* scal
 constexpr int kPanelRowsXI8 = 4;    // rows of x per tile: 4 x 3 int32 + 4 x 3 float sums, 3 weights, 1 broadcast
 constexpr int kPanelsPerTileI8 = 3;
 
-// x (M x K float32, contiguous) as u8 codes, M rows of stride i8_groups(K) * 64, and its group
-// scales (M x groups): quantize_row_u8 per row.
+// x (M x K float32, contiguous) as u8 codes, M rows of stride i8_groups(K) * 64, and its
+// scales (M x i8_scale_groups(K)): quantize_row_u8 per row.
 inline void quantize_rows_u8(const float* x, int64_t M, int64_t K, uint8_t* dst, float* scales) {
-  const int64_t groups = i8_groups(K);
-  for (int64_t i = 0; i < M; ++i) quantize_row_u8(x + i * K, K, dst + i * groups * kI8Group, scales + i * groups);
+  const int64_t ldx = i8_groups(K) * kI8Group, ls = i8_scale_groups(K);
+  for (int64_t i = 0; i < M; ++i) quantize_row_u8(x + i * K, K, dst + i * ldx, scales + i * ls);
+}
+
+// The scales of code groups [g0, g0 + kI8GroupsPerScale) of `groups` are one: their integer sums
+// add up before the one convert and multiply. `corr` (a panel's corrections, one vector of 16 a
+// group) summed over them: where those sums start.
+inline int64_t i8_scale_end(int64_t g0, int64_t groups) { return std::min(groups, g0 + kI8GroupsPerScale); }
+inline __m512i i8_corrections(const int32_t* corr, int64_t g0, int64_t g1) {
+  __m512i c = _mm512_loadu_si512(corr + g0 * kPanel);
+  for (int64_t g = g0 + 1; g < g1; ++g) c = _mm512_add_epi32(c, _mm512_loadu_si512(corr + g * kPanel));
+  return c;
 }
 
 // y[i * ldy + 16j + c] = (sum_g dot_g(q row i, panel j's column c) * sx[i][g]) * scale + bias
@@ -799,32 +819,36 @@ inline void panel_tile_i8(const uint8_t* x, int64_t ldx, const float* sx, int64_
   for (int i = 0; i < MB; ++i)
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
+  const int64_t ls = (groups + kI8GroupsPerScale - 1) / kI8GroupsPerScale;  // scales a row
+  for (int64_t sg = 0; sg < ls; ++sg) {
+    const int64_t g0 = sg * kI8GroupsPerScale, g1 = i8_scale_end(g0, groups);
     __m512i s[MB][NB];
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) {
-      const __m512i c = _mm512_loadu_si512(corr + (j * groups + g) * kPanel);
+      const __m512i c = i8_corrections(corr + j * groups * kPanel, g0, g1);
 #pragma GCC unroll 4
       for (int i = 0; i < MB; ++i) s[i][j] = c;
     }
-    const uint8_t* xg = x + g * kI8Group;
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* xg = x + g * kI8Group;
 #pragma GCC unroll 16
-    for (int q = 0; q < kI8Group / 4; ++q) {
-      fetch.step();
-      __m512i wv[NB];
-      load_panels<NB>(wp, ps, (g * kI8Group + q * 4) * kPanel, stream, kAhead, wv);
+      for (int q = 0; q < kI8Group / 4; ++q) {
+        fetch.step();
+        __m512i wv[NB];
+        load_panels<NB>(wp, ps, (g * kI8Group + q * 4) * kPanel, stream, kAhead, wv);
 #pragma GCC unroll 4
-      for (int i = 0; i < MB; ++i) {
-        int32_t quad;
-        std::memcpy(&quad, xg + i * ldx + 4 * q, sizeof(quad));
-        const __m512i b = _mm512_set1_epi32(quad);
+        for (int i = 0; i < MB; ++i) {
+          int32_t quad;
+          std::memcpy(&quad, xg + i * ldx + 4 * q, sizeof(quad));
+          const __m512i b = _mm512_set1_epi32(quad);
 #pragma GCC unroll 4
-        for (int j = 0; j < NB; ++j) s[i][j] = _mm512_dpbusd_epi32(s[i][j], b, wv[j]);
+          for (int j = 0; j < NB; ++j) s[i][j] = _mm512_dpbusd_epi32(s[i][j], b, wv[j]);
+        }
       }
     }
 #pragma GCC unroll 4
     for (int i = 0; i < MB; ++i) {
-      const __m512 sv = _mm512_set1_ps(sx[i * groups + g]);
+      const __m512 sv = _mm512_set1_ps(sx[i * ls + sg]);
 #pragma GCC unroll 4
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][j]), sv, acc[i][j]);
     }
@@ -856,35 +880,39 @@ inline void panel_rows_i8(const uint8_t* x, int64_t ldx, const float* sx, int64_
                           int64_t ldy) {
   constexpr int U = MB == 1 ? 2 : 1;
   const int64_t ps = kPanel * groups * kI8Group;  // bytes per panel
+  const int64_t ls = (groups + kI8GroupsPerScale - 1) / kI8GroupsPerScale;  // scales a row
   for (int64_t j = 0; j < np; ++j) {
     const int8_t* w = wp + j * ps;
     __m512 acc[MB];
 #pragma GCC unroll 8
     for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t sg = 0; sg < ls; ++sg) {
+      const int64_t g0 = sg * kI8GroupsPerScale, g1 = i8_scale_end(g0, groups);
       __m512i s[U][MB];
-      const __m512i c = _mm512_loadu_si512(corr + (j * groups + g) * kPanel);
+      const __m512i c = i8_corrections(corr + j * groups * kPanel, g0, g1);
 #pragma GCC unroll 8
       for (int i = 0; i < MB; ++i) {
         s[0][i] = c;
         if constexpr (U > 1) s[1][i] = _mm512_setzero_si512();
       }
-      const int8_t* wg = w + g * kI8Group * kPanel;
+      for (int64_t g = g0; g < g1; ++g) {
+        const int8_t* wg = w + g * kI8Group * kPanel;
 #pragma GCC unroll 16
-      for (int q = 0; q < kI8Group / 4; ++q) {
-        const __m512i wv = _mm512_loadu_si512(wg + q * 4 * kPanel);
+        for (int q = 0; q < kI8Group / 4; ++q) {
+          const __m512i wv = _mm512_loadu_si512(wg + q * 4 * kPanel);
 #pragma GCC unroll 8
-        for (int i = 0; i < MB; ++i) {
-          int32_t quad;
-          std::memcpy(&quad, x + i * ldx + g * kI8Group + 4 * q, sizeof(quad));
-          s[q % U][i] = _mm512_dpbusd_epi32(s[q % U][i], _mm512_set1_epi32(quad), wv);
+          for (int i = 0; i < MB; ++i) {
+            int32_t quad;
+            std::memcpy(&quad, x + i * ldx + g * kI8Group + 4 * q, sizeof(quad));
+            s[q % U][i] = _mm512_dpbusd_epi32(s[q % U][i], _mm512_set1_epi32(quad), wv);
+          }
         }
       }
 #pragma GCC unroll 8
       for (int i = 0; i < MB; ++i) {
         __m512i t = s[0][i];
         if constexpr (U > 1) t = _mm512_add_epi32(t, s[1][i]);
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(sx[i * groups + g]), acc[i]);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(sx[i * ls + sg]), acc[i]);
       }
     }
     const int cols = j == np - 1 ? last : static_cast<int>(kPanel);
@@ -898,7 +926,7 @@ inline void panel_rows_i8(const uint8_t* x, int64_t ldx, const float* sx, int64_
 
 // y = x W^T for int8 codes in panels (kernels/linear.py pack_panels_i8 of an [N, K] matrix,
 // corrections `corr` [N / 16, groups, 16]) and x already quantized (xq: M rows of stride
-// groups * 64, sx: M x groups scales, quantize_rows_u8): y[i * ldy + r] for r in [0, rows) of
+// groups * 64, sx: M x i8_scale_groups(K) scales, quantize_rows_u8): y[i * ldy + r] for r in [0, rows) of
 // columns r0 .., r0 a multiple of 16. Column tiles of 3 panels, each streamed from memory by
 // its first tile of x-rows; the others re-read it from cache. The amx variant multiplies
 // kAmxMinRowsI8 rows or more by tiles, from x's signed codes (amx.h): xs, the rows' own (from
@@ -907,7 +935,7 @@ inline void panel_rows_i8(const uint8_t* x, int64_t ldx, const float* sx, int64_
 inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int64_t K, const int8_t* panels,
                               const int32_t* corr, int64_t r0, int64_t rows, const float* scale, const float* bias,
                               float* y, int64_t ldy, bool cold, uint64_t x_epoch = 0, const int8_t* xs = nullptr) {
-  const int64_t groups = i8_groups(K), ldx = groups * kI8Group;
+  const int64_t groups = i8_groups(K), ldx = groups * kI8Group, ls = i8_scale_groups(K);
   const int8_t* w = panels + r0 * ldx;               // panel r0 / 16
   const int32_t* cw = corr + r0 * groups;            // its corrections
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
@@ -929,7 +957,7 @@ inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int
     const int last = static_cast<int>(rows - (np - 1) * kPanel);
     const float* bs = bias ? bias + r0 : nullptr;
     for_row_tiles<kPanelStreamRowsI8>(M, [&](auto mb_tag, int64_t m) {
-      panel_rows_i8<decltype(mb_tag)::value>(xq + m * ldx, ldx, sx + m * groups, groups, w, cw, np, last, scale + r0,
+      panel_rows_i8<decltype(mb_tag)::value>(xq + m * ldx, ldx, sx + m * ls, groups, w, cw, np, last, scale + r0,
                                              bs, y + m * ldy, ldy);
     });
     return;
@@ -950,7 +978,7 @@ inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int
     auto tile = [&](auto mb_tag, int64_t m) {
       constexpr int MB = decltype(mb_tag)::value;
       const uint8_t* xt = xq + m * ldx;
-      const float* st = sx + m * groups;
+      const float* st = sx + m * ls;
       float* yt = y + m * ldy + c;
       const PanelPrefetch stream = m == 0 && !fetched ? kPrefetchAhead : kPrefetchNone;
       const NextTile fetch(next_bytes ? wp + np * kPanel * ldx : nullptr, next_bytes, m / kPanelRowsXI8, tiles,
@@ -1380,8 +1408,9 @@ inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int
 }
 #endif  // __AVX512VNNI__
 
-// Scales per row of x's codes: one per kI8ScaleGroup values of its whole kI8Group groups.
-inline int64_t i8_scale_groups(int64_t K) { return i8_groups(K) * (kI8Group / kI8ScaleGroup); }
+// Scales per row of x's codes: one per kI8ScaleGroup values of its whole kI8Group groups (the
+// last of them covering what is left: a K of 640 has 10 groups of 64, so 4 scales at 192).
+inline int64_t i8_scale_groups(int64_t K) { return (i8_groups(K) * kI8Group + kI8ScaleGroup - 1) / kI8ScaleGroup; }
 
 }  // namespace inferlab_matvec
 
