@@ -27,7 +27,7 @@ def _smooth_always(loaded, precision):
     """loader._smoothed for any precision: the float32 model with the scales folded in."""
     import dataclasses
 
-    loaded.weights = smooth_weights(loaded.config, loaded.weights)
+    smooth_weights(loaded.config, loaded.weights)
     loaded.config = dataclasses.replace(loaded.config, tie_word_embeddings=False)
     return loaded
 

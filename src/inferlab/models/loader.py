@@ -39,7 +39,7 @@ def _smoothed(loaded: LoadedModel, precision: ResolvedPrecision) -> LoadedModel:
     """w8a8's weights with SmoothQuant's scales folded in (models/smoothing.py), before any
     linear quantizes them; every other mode's as they are."""
     if precision.int8_activations:
-        loaded.weights = smooth_weights(loaded.config, loaded.weights)
+        smooth_weights(loaded.config, loaded.weights)
         # the lm_head now differs from the embedding (smoothed): its own weight from here on
         loaded.config = dataclasses.replace(loaded.config, tie_word_embeddings=False)
     return loaded
