@@ -252,7 +252,8 @@ inline const int8_t* amx_signed_codes(const uint8_t* xq, int64_t ldx, int64_t M,
 // float32 sums held in registers: panel_tile_i8's instructions, in its order). A scale per 3
 // groups instead of per group (matvec.h quantize_row_u8), the default model's w8a8 engine,
 // processes alternated with the previous commit (3 pairs): a 512-token prefill 107.0 / 96.0 /
-// 102.8 -> 87.9 / 87.5 / 87.5 ms, the 32-stream decode step 19.9 / 20.1 / 20.9 -> 18.9 / 19.4 / 20.3. Why: with the
+// 102.8 -> 87.9 / 87.5 / 87.5 ms, the 32-stream decode step 19.9 / 20.1 / 20.9 -> 18.9 / 19.4 /
+// 20.3. Two C tiles by turns, why: with the
 // sums taken out of four C tiles through memory after each group, the tiles waited on the vector
 // units and int8 ran no faster than bf16 on tdpbf16ps (2 cores of a Xeon, SmolLM2's layer
 // shapes, GOP/s: 32 rows 1,045-1,120 -> 1,149-1,285, 512 rows 1,183-1,307 -> 1,497-1,597,
