@@ -37,10 +37,14 @@ def test_the_folded_scales_leave_a_float32_model_as_it_was(tmp_path: Path, arch:
     """x / s into the norms, W * s into q/k/v, gate/up and the (now untied) lm_head: in float32
     the same prompt logprobs to rounding, on every architecture (biases, q/k norms, tied or not)."""
     model = make_tiny_hf_model(tmp_path / arch, arch=arch)
-    plain = _prompt_logprobs(LLM(str(model), dtype="float32", weight_dtype="float32", num_kv_blocks=64))
+    before = LLM(str(model), dtype="float32", weight_dtype="float32", num_kv_blocks=64)
+    plain = _prompt_logprobs(before)
     monkeypatch.setattr(loader, "_smoothed", _smooth_always)
     llm = LLM(str(model), dtype="float32", weight_dtype="float32", num_kv_blocks=64)
     assert llm.engine.runner.model.lm_head is not llm.engine.runner.model.embed  # untied
+    a, b = before.engine.runner.model, llm.engine.runner.model  # the folds did change the weights
+    assert not torch.allclose(a.layers[0].input_norm, b.layers[0].input_norm)
+    assert not torch.allclose(a.final_norm, b.final_norm)
     smoothed = _prompt_logprobs(llm)
     for a, b in zip(plain, smoothed):
         assert torch.allclose(a, b, atol=1e-4), (arch, float((a - b).abs().max()))
