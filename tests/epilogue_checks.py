@@ -16,8 +16,7 @@ def assert_same_logprobs_with_the_path_off(tmp_path: Path, paths: tuple[tuple[st
     """For each (weight dtype, the model's flag for a fused path): prompt and sampled logprobs of
     two prefill-sized prompts (128+ rows) are the same with the flag on (as the model decided it)
     and off."""
-    # 192 (not the tiny default 128): w8a8's SiLU from the tiles takes whole scales of 192 values
-    model = make_tiny_hf_model(tmp_path / "m", arch="llama", intermediate_size=192)
+    model = make_tiny_hf_model(tmp_path / "m", arch="llama")
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (140, 200)]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=1)

@@ -143,12 +143,13 @@ def test_silu_from_the_tiles_gives_the_product_then_silu_mul_bits():
 
 
 def test_w8a8_silu_codes_from_the_tiles_give_the_product_then_silu_mul_q8_bits():
-    """linear_panels_i8_silu_q: w8a8's SiLU(gate) * up from the tiles of 12 gate and 12 up panels at
-    a time, quantized per 192 (a scale of the down product's x): the codes and scales silu_mul_q8
-    makes of product_q8's output, every row count; a weight it cannot take says so."""
+    """linear_panels_i8_silu_q: w8a8's SiLU(gate) * up from the tiles of up to 12 gate and 12 up
+    panels at a time, quantized per 192 (a scale of the down product's x; the last what is left):
+    the codes and scales silu_mul_q8 makes of product_q8's output, every row count; a weight it
+    cannot take says so."""
     ops = torch.ops.inferlab
     g = torch.Generator().manual_seed(6)
-    for k, inter in ((576, 1536), (64, 192), (130, 384)):
+    for k, inter in ((576, 1536), (64, 64), (130, 320), (64, 448)):  # 64, 320, 448: a last scale of 64 / 128 / 64
         lin = WeightOnlyLinear(torch.randn(2 * inter, k, generator=g) * 0.05, torch.int8, int8_activations=True)
         assert lin.silu_tiles_q8
         for m in (*ROWS, 513):
@@ -157,7 +158,7 @@ def test_w8a8_silu_codes_from_the_tiles_give_the_product_then_silu_mul_q8_bits()
             xq, sx = ops.add_rms_norm_q8_(x, torch.zeros_like(x), torch.ones(k), 1e-5)
             want, got = ops.silu_mul_q8(lin.product_q8(xq, sx)), lin.product_silu_q8(xq, sx)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (k, inter, m)
-    odd = WeightOnlyLinear(torch.randn(256, 64), torch.int8, int8_activations=True)  # halves of 128: not whole scales
+    odd = WeightOnlyLinear(torch.randn(96, 64), torch.int8, int8_activations=True)  # halves of 48: not whole groups
     assert not odd.silu_tiles_q8
     with pytest.raises(ValueError, match="product_silu_q8 needs"):
         odd.product_silu_q8(*ops.add_rms_norm_q8_(torch.randn(2, 64), torch.zeros(2, 64), torch.ones(64), 1e-5))

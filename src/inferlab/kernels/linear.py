@@ -245,10 +245,9 @@ class WeightOnlyLinear:
             self.row_sums = (panel_corrections_i8(self.weight) if not self.panel_xor
                              else torch.empty(0, dtype=torch.int32))
             self.bf16_gemm = False
-        # w8a8's the same on the amx variant (`product_silu_q8`): each half whole scales of x
-        # (the down product's: kernel.int8_x_group values each).
-        self.silu_tiles_q8 = (self.i8_panels and kernel.amx and bias is None
-                              and self.out_features % (2 * kernel.int8_x_group) == 0)
+        # w8a8's the same on the amx variant (`product_silu_q8`): each half whole groups of 64
+        # (its output groups are the down product's scales, the last of them what is left).
+        self.silu_tiles_q8 = self.i8_panels and kernel.amx and bias is None and self.out_features % 128 == 0
 
     @property
     def bf16_x_min_rows(self) -> int | None:

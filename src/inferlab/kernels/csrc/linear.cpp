@@ -673,10 +673,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_panels_i8_q_rope_kv(
 #ifdef INFERLAB_AMX
 // w8a8's SiLU(gate) * up as the down product's codes, from the gate/up panels' tiles: for the M
 // rows of x's signed codes (xs, stride ldx, tile_codes; scales sx, stride ls) and the output
-// groups [o0, o1) (each kI8ScaleGroup columns, the values of one of the down product's scales:
-// 12 gate panels, their 12 up panels `half` columns on), the products' float32 sums of one row
-// tile (amx_tile_i8, as linear_panels_i8_q stores them), silu_mul_row, then quantize_row_u8 of
-// each row's kI8ScaleGroup values: the bits of silu_mul_q8(linear_panels_i8_q(...)).
+// groups [o0, o1) (each the kI8ScaleGroup columns of one of the down product's scales, the last
+// what is left of `half`, a multiple of 64: up to 12 gate panels, their up panels `half`
+// columns on), the products' float32 sums of one row tile (amx_tile_i8, as linear_panels_i8_q
+// stores them), silu_mul_row, then quantize_row_u8 of each row's values of the group: the bits
+// of silu_mul_q8(linear_panels_i8_q(...)), whose last scale covers as many.
 void amx_silu_q8(const int8_t* xs, const float* sx, int64_t M, int64_t groups, const int8_t* w,
                  const float* scale, int64_t half, int64_t o0, int64_t o1, uint8_t* codes, float* scales,
                  int64_t ldc, int64_t lds) {
@@ -690,7 +691,8 @@ void amx_silu_q8(const int8_t* xs, const float* sx, int64_t M, int64_t groups, c
   for (int64_t m = 0; m < M; m += 16) {
     const int valid = static_cast<int>(std::min<int64_t>(16, M - m));
     for (int64_t o = o0; o < o1; ++o) {
-      for (int64_t q = 0; q < kOut / kPanel; ++q) {
+      const int64_t cols = std::min(kOut, half - o * kOut);
+      for (int64_t q = 0; q < cols / kPanel; ++q) {
         const int64_t gp = o * kOut / kPanel + q, up = gp + half / kPanel;  // gate panel, its up panel
         amx_tile_i8(xs + m * ldx, ldx, sr.tile(m), ls, groups, w + gp * pb, valid, 16, scale + gp * kPanel,
                     nullptr, &g[0][q * kPanel], kOut);
@@ -698,15 +700,15 @@ void amx_silu_q8(const int8_t* xs, const float* sx, int64_t M, int64_t groups, c
                     nullptr, &u[0][q * kPanel], kOut);
       }
       for (int i = 0; i < valid; ++i) {
-        inferlab_rows::silu_mul_row(g[i], u[i], kOut, act);
-        quantize_row_u8(act, kOut, codes + (m + i) * ldc + o * kOut, scales + (m + i) * lds + o);
+        inferlab_rows::silu_mul_row(g[i], u[i], cols, act);
+        quantize_row_u8(act, cols, codes + (m + i) * ldc + o * kOut, scales + (m + i) * lds + o);
       }
     }
   }
 }
 
 // linear_panels_i8_silu_q(xq, sx, k, panels, corr, scale, n) -> (codes, scales): the down
-// product's x from a w8a8 gate/up weight [gate; up] of n rows (n a multiple of 2 x 192), as
+// product's x from a w8a8 gate/up weight [gate; up] of n rows (n a multiple of 2 x 64), as
 // silu_mul_q8 would make them of linear_panels_i8_q's output, without that [M, n] float32
 // product written and read back.
 std::tuple<at::Tensor, at::Tensor> linear_panels_i8_silu_q(const at::Tensor& xq, const at::Tensor& sx, int64_t k,
@@ -715,9 +717,9 @@ std::tuple<at::Tensor, at::Tensor> linear_panels_i8_silu_q(const at::Tensor& xq,
   const int64_t groups = i8_groups(k), ldx = groups * kI8Group, ls = i8_scale_groups(k);  // a row of codes' bytes
   check_i8_codes("linear_panels_i8_silu_q", xq, sx, k);
   check_i8_panels("linear_panels_i8_silu_q", k, panels, corr, scale, n);
-  TORCH_CHECK(n % (2 * kI8ScaleGroup) == 0, "inferlab linear_panels_i8_silu_q: n (", n, ") must be a multiple of ",
-              2 * kI8ScaleGroup);
-  const int64_t M = xq.size(0), half = n / 2, out_groups = half / kI8ScaleGroup;
+  TORCH_CHECK(n % (2 * kI8Group) == 0, "inferlab linear_panels_i8_silu_q: n (", n, ") must be a multiple of ",
+              2 * kI8Group);
+  const int64_t M = xq.size(0), half = n / 2, out_groups = i8_scale_groups(half);
   at::Tensor codes = at::empty({M, half}, xq.options());
   at::Tensor scales = at::empty({M, out_groups}, sx.options());
   const uint8_t* qp = xq.data_ptr<uint8_t>();
@@ -728,7 +730,7 @@ std::tuple<at::Tensor, at::Tensor> linear_panels_i8_silu_q(const at::Tensor& xq,
   for_row_passes(M, out_groups, [&](int64_t m0, int64_t mm, int64_t o0, int64_t o1) {
     amx_silu_q8(xs + m0 * ldx, sp + m0 * ls, mm, groups, panels.data_ptr<int8_t>(),
                 scale.data_ptr<float>(), half, o0, o1, cp + m0 * half, op + m0 * out_groups, half, out_groups);
-  }, 1, ldx, 2 * kI8ScaleGroup * ldx);  // an output group: its 12 gate and 12 up panels
+  }, 1, ldx, 2 * kI8ScaleGroup * ldx);  // an output group: up to 12 gate and 12 up panels
   return {codes, scales};
 }
 #endif
