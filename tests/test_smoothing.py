@@ -4,6 +4,7 @@ nothing in exact arithmetic, and they take the outlier channels' range off x's 8
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from kernel_marks import needs_int8_dot
 
 from inferlab import LLM, SamplingParams
 from inferlab.models import loader
-from inferlab.models.smoothing import calibration_tokens, norm_output_maxima, smooth_weights, smoothing_scales
+from inferlab.models.smoothing import calibration_tokens, norm_output_maxima, smoothing_scales
 from inferlab.models.testing import TINY_ARCHS, load_reference_model, make_tiny_hf_model
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 9, 200], [300, 12, 8, 77, 150]]
@@ -23,13 +24,13 @@ def _prompt_logprobs(llm: LLM) -> list[torch.Tensor]:
             for r in llm.generate(PROMPTS, params)]
 
 
-def _smooth_always(loaded, precision):
-    """loader._smoothed for any precision: the float32 model with the scales folded in."""
-    import dataclasses
+_load_smoothed = loader._smoothed
 
-    smooth_weights(loaded.config, loaded.weights)
-    loaded.config = dataclasses.replace(loaded.config, tie_word_embeddings=False)
-    return loaded
+
+def _smooth_always(loaded, precision):
+    """loader._smoothed as for w8a8, whatever the precision: the float32 model with the scales
+    folded in (and its lm_head untied)."""
+    return _load_smoothed(loaded, SimpleNamespace(int8_activations=True))
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
