@@ -338,8 +338,7 @@ class WeightOnlyLinear:
     def product_q8(self, xq: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
         """x @ W^T (+ bias) from x already quantized for w8a8's panels (u8 codes in groups of 64,
         a scale per kernel.int8_x_group values, as fused.cpp's add_rms_norm_q8_ and silu_mul_q8
-        make them): the bits
-        `kernel` gives for the float32 rows those codes were made from."""
+        make them): the bits `kernel` gives for the float32 rows those codes were made from."""
         if not self.i8_panels:
             raise ValueError("product_q8 needs w8a8 weights (in panels)")
         return torch.ops.inferlab.linear_panels_i8_q(xq, sx, self.in_features, self.weight, self.row_sums, self.scale,
