@@ -148,7 +148,17 @@ def test_the_router_drives_eight_simulated_replicas():
                         return k, r.headers[REPLICA_HEADER], u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"]
 
                     first = await asyncio.gather(*(one(k, 0) for k in range(4)))  # each system prompt once
-                    await asyncio.sleep(0.3)  # its blocks confirmed by the replicas' KV events
+                    # its blocks confirmed by the replicas' KV events before the rest are routed (a
+                    # fixed 0.3 s was too short now and then under a full suite's load)
+                    fleet, names = app.state.fleet, [s.base_url for s in servers]
+                    need: dict[str, int] = {}
+                    for _k, rep, prompt, _c in first:
+                        name = names[int(rep)]
+                        need[name] = need.get(name, 0) + prompt // fleet.block_size
+                    deadline = asyncio.get_running_loop().time() + 20
+                    while any(fleet.index.num_confirmed(n) < b for n, b in need.items()):
+                        assert asyncio.get_running_loop().time() < deadline, "KV events never confirmed the prompts"
+                        await asyncio.sleep(0.02)
                     rest = await asyncio.gather(*(one(k, q) for q in range(1, 7) for k in range(4)))
                     return first + rest
 
