@@ -208,7 +208,7 @@ struct Work {
 struct SharedX {
   std::vector<uint8_t> xq;  // quantize_row_u8's codes, rows of the largest K's stride
   std::vector<float> sx;    // and scales
-  TiledX tiles;             // interleave_x_i8's (the AVX2 variant's; empty on AVX-512)
+  TiledX tiles;             // interleave_x_i8's (the AVX2 and amx variants'; empty on avx512)
 };
 
 at::Tensor present(const at::Tensor& t) { return t.numel() > 0 ? t : at::Tensor(); }
@@ -595,6 +595,25 @@ class DecoderStep : public torch::CustomClassHolder {
     for (int64_t b = 0; b < std::min(kAheadBytes, left); b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
   }
 
+  // The lines of the K and V rows this step writes into layer cache kc / vc (the rows of m
+  // sequences at `slots`, every KV head), thread tid of nt a share, fetched for writing at the
+  // start of the qkv phase: the qkv tasks that write them (the last heads) otherwise stalled on
+  // each store's read-for-ownership, scattered lines from memory, ~2 x 3 x 32 rows a layer at 32
+  // streams, and made the other thread wait at the phase's barrier. The default model's w8a8
+  // decode at 32 streams, 2 cores of the Xeon with AMX, in-process rounds alternated (6): the
+  // qkv phase 1.36 -> 1.27 ms, the step 20.43 -> 20.01.
+  template <typename C>
+  void prefetch_kv_rows(C* kc, C* vc, const int64_t* slots, int64_t m, int64_t num_slots, int64_t tid,
+                        int64_t nt) const {
+    const int64_t bytes = head_dim_ * static_cast<int64_t>(sizeof(C));
+    for (int64_t i = tid; i < m; i += nt)
+      for (int64_t hh = 0; hh < kv_heads_; ++hh) {
+        char* k = reinterpret_cast<char*>(kc + (hh * num_slots + slots[i]) * head_dim_);
+        char* v = reinterpret_cast<char*>(vc + (hh * num_slots + slots[i]) * head_dim_);
+        for (int64_t b = 0; b < bytes; b += 64) _m_prefetchw(k + b), _m_prefetchw(v + b);
+      }
+  }
+
   // Columns per task when n columns are shared by nt threads.
   static int64_t task_width(int64_t n, int64_t nt) {
     const int64_t w = (n + kTasksPerThread * nt - 1) / (kTasksPerThread * nt);
@@ -713,6 +732,7 @@ class DecoderStep : public torch::CustomClassHolder {
         float* vsc = v_scales_.empty() ? nullptr : v_scales_[l].data_ptr<float>();
         Run* runs = shares.get() + l * kShared * nt;  // this layer's qkv, o, gate/up and down
         enter(kQkv);
+        if (m >= kSharedNormRows) prefetch_kv_rows(kc, vc, slots, m, num_slots, tid, nt);
         const SharedX* shx = share_x ? make_shared_x(x, m, hidden_, ly.input_norm.data_ptr<float>(), hbuf) : nullptr;
         const float* hn = share_x ? hbuf : norm_rows(x, ly.input_norm, m, hbuf, wk);
 

@@ -993,8 +993,9 @@ inline void panel_products_i8(const uint8_t* xq, const float* sx, int64_t M, int
 }
 
 // The AVX2 variant's tile copy of x (interleave_x_i8) and the calls that make and read it, so
-// that decoder_step.cpp shares one x per phase alike on both: here the tiles read xq and sx as
-// they are, and there is nothing to copy.
+// that decoder_step.cpp shares one x per phase alike on every variant: here the tiles read xq
+// and sx as they are, and there is nothing to copy (the amx variant's copy: amx.h).
+#if !(defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__))
 struct TiledX {};
 inline void size_tiled_x(int64_t /*M*/, int64_t /*ldx*/, TiledX& /*out*/) {}
 inline void interleave_x_i8(const uint8_t* /*xq*/, const float* /*sx*/, int64_t /*M*/, int64_t /*ldx*/,
@@ -1005,6 +1006,7 @@ inline void panel_products_i8_tiled(const uint8_t* xq, const float* sx, const Ti
                                     const int8_t* /*after*/ = nullptr) {
   panel_products_i8(xq, sx, M, K, panels, corr, r0, rows, scale, bias, y, ldy, /*cold=*/true);
 }
+#endif
 
 #else
 // -- the AVX2 variant: the same panels by vpmaddubsw, x in 7 bits per 16 values --
