@@ -433,6 +433,32 @@ def test_engine_with_float16_weights_follows_float32(tiny_llama, monkeypatch, us
         assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-2
 
 
+@needs_int8_dot
+def test_greedy_w8a8_steps_take_the_lm_heads_argmax_for_the_samplers_tokens(tiny_llama):
+    """A step whose rows are all plain greedy asks the w8a8 lm_head for its argmax (no logits,
+    no sampler: ModelRunner.fused_greedy) and gets the tokens the sampler picks from the logits;
+    a row asking for logprobs keeps its step on the sampler."""
+    llm = LLM(str(tiny_llama), dtype="float32", weight_dtype="w8a8", num_kv_blocks=64)
+    runner = llm.engine.runner
+    assert runner.fused_greedy
+    calls: list[int] = []
+    real = runner.model.greedy_tokens
+    runner.model.greedy_tokens = lambda h: calls.append(h.shape[0]) or real(h)
+    prompts = [list(range(3, 40)), [7, 300, 12, 5, 90], [5, 6, 7]]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def tokens(params):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_prefix_cache=False)]
+
+    fast = tokens(greedy)
+    assert len(calls) == 8 and calls[-1] == 3  # the prefill's step and the 7 decode steps
+    runner.fused_greedy = False
+    assert tokens(greedy) == fast
+    runner.fused_greedy, calls[:] = True, []
+    assert tokens([greedy, greedy, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)]) == fast
+    assert not calls
+
+
 def test_engine_float32_keeps_dense_weights(tiny_llama):
     llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=16)
     model = llm.engine.runner.model
@@ -763,6 +789,35 @@ def test_linear_panels_i8_refuses_mismatched_inputs():
     for args, message in bad.values():
         with pytest.raises(RuntimeError, match=message):
             ops.linear_panels_i8(*args)
+
+
+@needs_int8_dot
+@pytest.mark.parametrize("m", [1, 2, 5, 13, 32, 40])
+def test_w8a8_argmax_is_the_products_argmax_without_the_product(m):
+    """linear_panels_i8_argmax (a greedy step's lm_head): each row's argmax of the very product
+    linear_panels_i8 gives, the first index of the largest, across its chunks of 512 columns
+    (n = 1,300: three chunks, the last part of a panel); two equal columns in different chunks
+    give the first. Every row count's path (rows streamed, tiles of rows, the amx tiles)."""
+    n, k = 1300, 200
+    w = _weight(n, k, seed=m)
+    w[300] = w[900] = w[1100] = w[300] * 3  # equal columns, larger than the rest, in the 1st, 2nd and 3rd chunk
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    bias[1100] = bias[900] = bias[300]
+    lin = WeightOnlyLinear(w, torch.int8, bias, int8_activations=True)
+    assert lin.fused_argmax
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    x[: m // 2 + 1] = w[300] * 4  # these rows' largest output is column 300's, tied with 900 and 1100
+    y = lin(x)
+    got = lin.argmax(x)
+    assert got.dtype == torch.long and got.shape == (m,)
+    assert torch.equal(got, y.argmax(dim=-1))
+    assert bool((got[: m // 2 + 1] == 300).all()) and bool((y[: m // 2 + 1, 900] == y[: m // 2 + 1, 300]).all())
+    unbiased = WeightOnlyLinear(w, torch.int8, None, int8_activations=True)
+    assert torch.equal(unbiased.argmax(x), unbiased(x).argmax(dim=-1))
+    with pytest.raises(RuntimeError, match="x must be a float32 matrix"):
+        torch.ops.inferlab.linear_panels_i8_argmax(x[None], lin.weight, lin.row_sums, lin.scale, n, lin.bias)
+    with pytest.raises(RuntimeError, match="panels must be"):
+        torch.ops.inferlab.linear_panels_i8_argmax(x, lin.weight, lin.row_sums, lin.scale, n + 40, lin.bias)
 
 
 @needs_int8_dot

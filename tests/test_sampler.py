@@ -127,3 +127,25 @@ def test_apply_penalties_follows_the_definitions_by_hand():
     assert out[0].tolist() == [1.0, -4.0, 0.5, 0.5, 3.0]  # positive / 2, negative * 2, unseen kept
     assert out[1].tolist() == [2.0, -2.0, 1.0 - 0.5 - 2 * 0.25, 0.5 - 0.5 - 0.25, 3.0]
     assert out[2].tolist() == logits[2].tolist()
+
+
+def test_plain_greedy_is_exactly_when_the_sampler_would_take_the_raw_argmax():
+    """ModelRunner skips the logits (DecoderModel.greedy_tokens) only for a step whose every row
+    takes the argmax of its raw logits: any row sampling, asking for logprobs, biased, penalised,
+    held by min_tokens or a grammar keeps the step on the sampler."""
+    from types import SimpleNamespace
+
+    from inferlab.engine.sampler import plain_greedy
+
+    plain = _row([0], [1], temperature=0.0)
+    assert plain_greedy([plain, _row([0], [1, 2, 3], temperature=0.0, min_tokens=3)])  # min_tokens met
+    for other in (
+        _row([0], [1], temperature=0.7),
+        _row([0], [1], temperature=0.0, logprobs=2),
+        _row([0], [1], temperature=0.0, logit_bias={3: 5.0}),
+        _row([0], [1], temperature=0.0, allowed_token_ids=[1, 2]),
+        _row([0], [1], temperature=0.0, repetition_penalty=1.1),
+        _row([0], [1], temperature=0.0, min_tokens=3),  # EOS still masked
+        SimpleNamespace(sampling_params=plain.sampling_params, output_token_ids=[1], grammar=object()),
+    ):
+        assert not plain_greedy([plain, other])

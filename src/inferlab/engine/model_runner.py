@@ -23,7 +23,7 @@ from inferlab.config import CacheConfig, ModelConfig
 from inferlab.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from inferlab.engine.rejection_sampler import rejection_sample
 from inferlab.engine.request import Logprob, TokenLogprobs
-from inferlab.engine.sampler import Sampler, gather_logprobs
+from inferlab.engine.sampler import Sampler, SamplerOutput, gather_logprobs, plain_greedy
 from inferlab.engine.spec_decode import accept_greedy, position_rows
 from inferlab.models.attention import (
     TILED_FRESH_MAX,
@@ -107,6 +107,11 @@ class ModelRunner:
                  self.block_size, describe_kv_dtype(precision.kv_cache), self.kv_bytes_per_token,
                  sum(c.nbytes for c in self.kv_caches) / 2**20)
         self.sampler = Sampler(seed, fused=self.backends.fused_sampler)
+        # A step whose rows all take the argmax of their raw logits (sampler.plain_greedy) asks
+        # the lm_head for those argmaxes straight away where it has them without the logits
+        # (DecoderModel.greedy_tokens: w8a8 on our kernels): no [N, vocab] logits written, read
+        # back and passed through the sampler's Python.
+        self.fused_greedy = self.backends.fused_sampler and getattr(self.model, "fused_greedy", False)
         # A draft model's proposer: request id → the [k, V] distributions its drafts were
         # sampled from (None for argmax drafts), for rejection sampling against them.
         self.draft_probs: Callable[[str], torch.Tensor | None] | None = None
@@ -131,14 +136,18 @@ class ModelRunner:
         sampled_rows = [s for s in ordered if s.sample]
         if not sampled_rows:
             return ModelRunnerOutput([], [], None, time.perf_counter() - t0, prompt_lps, prompt_rows or None)
-        logits = self.model.compute_logits(hidden if sample_index is None else hidden.index_select(0, sample_index))
-        if self.device.type != "cpu":
-            logits = logits.cpu()  # the sampler (penalties, seeds, logprobs) runs on the host
+        sampled = hidden if sample_index is None else hidden.index_select(0, sample_index)
         spec = any(s.num_draft_tokens for s in sampled_rows)
         # One logits row per position of a request with drafts (each seeing the drafts before it
         # as its output so far), one per other sampled request.
         rows = [v for s in sampled_rows for v in position_rows(s)] if spec else sampled_rows
-        out = self.sampler(logits, rows)  # grammar rows come back masked, each draft position its own
+        if self.fused_greedy and not spec and not want_probs and plain_greedy(rows):
+            out = SamplerOutput(self.model.greedy_tokens(sampled).tolist(), None)
+        else:
+            logits = self.model.compute_logits(sampled)
+            if self.device.type != "cpu":
+                logits = logits.cpu()  # the sampler (penalties, seeds, logprobs) runs on the host
+            out = self.sampler(logits, rows)  # grammar rows come back masked, each draft position its own
         # Back to the scheduler's order.
         by_id: dict[str, int] = {}
         spec_toks: dict[str, list[int]] = {}

@@ -307,6 +307,18 @@ def adjust_logits(logits: torch.Tensor, rows: list[ScheduledRequest]) -> torch.T
     return mask_early_stop_tokens(logits, rows)
 
 
+def plain_greedy(rows: list[ScheduledRequest]) -> bool:
+    """Every row's token is the argmax of its raw logits: greedy, no logprobs, no grammar, and
+    nothing `adjust_logits` changes (no logit bias or allowed tokens, no penalties, min_tokens
+    met). Such a step needs each row's argmax only, not its logits (ModelRunner.execute)."""
+    for r in rows:
+        p = r.sampling_params
+        if (not p.greedy or p.logprobs is not None or p.has_token_constraints or p.has_penalties
+                or getattr(r, "grammar", None) is not None or (p.min_tokens and len(r.output_token_ids) < p.min_tokens)):
+            return False
+    return True
+
+
 def mask_early_stop_tokens(logits: torch.Tensor, rows: list[ScheduledRequest]) -> torch.Tensor:
     """While a request has fewer than min_tokens outputs, it may not pick EOS or a stop token."""
     cloned = False

@@ -344,6 +344,20 @@ class WeightOnlyLinear:
         return torch.ops.inferlab.linear_panels_i8_q(xq, sx, self.in_features, self.weight, self.row_sums, self.scale,
                                                      self.out_features, self.bias)
 
+    @property
+    def fused_argmax(self) -> bool:
+        """`argmax` runs without the product written whole (w8a8's panels on our kernels)."""
+        return self.i8_panels and self.use_kernels
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax of `self(x)` (float32 x [M, K]), int64 [M], the first index of the
+        largest, as the sampler's greedy token: the product's own bits, never written whole
+        (linear.cpp linear_panels_i8_argmax) where `fused_argmax`, else from `self(x)`."""
+        if self.fused_argmax and x.dtype == torch.float32 and x.device.type == "cpu":
+            return torch.ops.inferlab.linear_panels_i8_argmax(x, self.weight, self.row_sums, self.scale,
+                                                              self.out_features, self.bias)
+        return self(x).float().argmax(dim=-1)
+
     def fallback(self, x: torch.Tensor) -> torch.Tensor:
         """Plain torch, same math: the weight dequantized to x's dtype, then F.linear."""
         bias = None if self.bias is None else self.bias.to(x.dtype)

@@ -375,3 +375,14 @@ class DecoderModel:
         """float32 logits [N, vocab] for the given hidden rows."""
         return self.lm_head(hidden).float()
 
+    @property
+    def fused_greedy(self) -> bool:
+        """`greedy_tokens` skips the logits (the lm_head takes its argmax as it goes: w8a8)."""
+        return isinstance(self.lm_head, WeightOnlyLinear) and self.lm_head.fused_argmax
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`compute_logits(hidden).argmax(-1)` (the first index of the largest), int64 [N]."""
+        if self.fused_greedy:
+            return self.lm_head.argmax(hidden)
+        return self.compute_logits(hidden).argmax(dim=-1)
+

@@ -59,6 +59,10 @@
 //       AVX-512; empty on AVX2), scale float32 [n]: x quantized per group (matvec.h: 8 bits per
 //       64 values by vpdpbusd on AVX-512, 7 bits per 16 by vpmaddubsw on AVX2) and the exact
 //       integer group sums at every row count, 64 rows a pass over the weights.
+//   linear_panels_i8_argmax(Tensor x, Tensor panels, Tensor corr, Tensor scale, int n, Tensor? bias=None)
+//                           -> Tensor
+//       each row of x [M, K]'s argmax over linear_panels_i8's n outputs (int64 [M], the first index
+//       of the largest: a greedy decode step's tokens), the product never written whole.
 //   linear_panels_i8_q(Tensor xq, Tensor sx, int k, Tensor panels, Tensor corr, Tensor scale, int n,
 //                      Tensor? bias=None) -> Tensor
 //       the same product from x already quantized: xq uint8 [M, ceil(k / 64) * 64]
@@ -584,29 +588,92 @@ void products_i8(const uint8_t* qp, const float* sp, int64_t M, int64_t K, const
   }, kPanelsPerTileI8, ldx, kPanel * ldx);
 }
 
-at::Tensor linear_panels_i8(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& corr,
-                            const at::Tensor& scale, int64_t n, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "inferlab linear_panels_i8: x must be float32, got ", x.scalar_type());
-  TORCH_CHECK(x.dim() >= 1, "inferlab linear_panels_i8: x must have at least one dimension");
-  const int64_t K = x.size(-1), groups = i8_groups(K);
-  check_i8_panels("linear_panels_i8", K, panels, corr, scale, n);
-  const float* bias_p = vector_or_null(bias, n, "linear_panels_i8", "bias");
-  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2.size(0), ldx = groups * kI8Group, ls = i8_scale_groups(K);
-  std::vector<int64_t> out_sizes(x.sizes().begin(), x.sizes().end());
-  out_sizes.back() = n;
-  at::Tensor y = at::empty({M, n}, x.options());
-  if (M == 0) return y.view(out_sizes);
-  at::Tensor xq = at::empty({M, ldx}, x.options().dtype(at::kByte));
-  at::Tensor sx = at::empty({M, ls}, x.options());
+// The M rows of x2 (float32 [M, K], contiguous) quantized for the w8a8 products: codes uint8
+// [M, i8_groups(K) * 64] and scales float32 [M, i8_scale_groups(K)] (quantize_rows_u8).
+std::pair<at::Tensor, at::Tensor> quantize_x_i8(const at::Tensor& x2) {
+  const int64_t M = x2.size(0), K = x2.size(1), ldx = i8_groups(K) * kI8Group, ls = i8_scale_groups(K);
+  at::Tensor xq = at::empty({M, ldx}, x2.options().dtype(at::kByte));
+  at::Tensor sx = at::empty({M, ls}, x2.options());
   const float* xp = x2.data_ptr<float>();
   uint8_t* qp = xq.data_ptr<uint8_t>();
   float* sp = sx.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     quantize_rows_u8(xp + m0 * K, m1 - m0, K, qp + m0 * ldx, sp + m0 * ls);
   });
-  products_i8(qp, sp, M, K, panels, corr, scale, n, bias_p, y.data_ptr<float>());
+  return {xq, sx};
+}
+
+at::Tensor linear_panels_i8(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& corr,
+                            const at::Tensor& scale, int64_t n, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "inferlab linear_panels_i8: x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1, "inferlab linear_panels_i8: x must have at least one dimension");
+  const int64_t K = x.size(-1);
+  check_i8_panels("linear_panels_i8", K, panels, corr, scale, n);
+  const float* bias_p = vector_or_null(bias, n, "linear_panels_i8", "bias");
+  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  std::vector<int64_t> out_sizes(x.sizes().begin(), x.sizes().end());
+  out_sizes.back() = n;
+  at::Tensor y = at::empty({M, n}, x.options());
+  if (M == 0) return y.view(out_sizes);
+  const auto [xq, sx] = quantize_x_i8(x2);
+  products_i8(xq.data_ptr<uint8_t>(), sx.data_ptr<float>(), M, K, panels, corr, scale, n, bias_p,
+              y.data_ptr<float>());
   return y.view(out_sizes);
+}
+
+// Each row's argmax over linear_panels_i8's n outputs (the first index of the largest, as the
+// sampler's greedy token: simd.h row_argmax), int64 [M], without the [M, n] product: the
+// columns in chunks of kArgmaxChunk, each thread a run of chunks, each chunk multiplied into a
+// buffer of the thread's (panel_products_i8: the bits linear_panels_i8 gives those columns) and
+// reduced there while it is in cache. Why: a greedy decode step otherwise writes the whole
+// logits out and the sampler reads them back (SmolLM2's 49,152 columns: 6.3 MB at 32 streams).
+constexpr int64_t kArgmaxChunk = 512;
+
+at::Tensor linear_panels_i8_argmax(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& corr,
+                                   const at::Tensor& scale, int64_t n, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2,
+              "inferlab linear_panels_i8_argmax: x must be a float32 matrix, got ", x.scalar_type(), " ", x.sizes());
+  const int64_t K = x.size(1);
+  check_i8_panels("linear_panels_i8_argmax", K, panels, corr, scale, n);
+  TORCH_CHECK(n > 0, "inferlab linear_panels_i8_argmax: no columns to take the argmax of");
+  const float* bias_p = vector_or_null(bias, n, "linear_panels_i8_argmax", "bias");
+  const at::Tensor x2 = x.contiguous();
+  const int64_t M = x2.size(0), chunks = (n + kArgmaxChunk - 1) / kArgmaxChunk;
+  at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
+  if (M == 0) return out;
+  const auto [xq, sx] = quantize_x_i8(x2);
+  const uint8_t* qp = xq.data_ptr<uint8_t>();
+  const float* sp = sx.data_ptr<float>();
+  const int64_t ldx = i8_groups(K) * kI8Group;
+  const uint64_t epoch = next_x_epoch();  // these codes, for every chunk
+  const int8_t* xs = tile_codes(qp, M, ldx);
+  const int8_t* wp = panels.data_ptr<int8_t>();
+  const int32_t* cp = corr.data_ptr<int32_t>();
+  const float* scp = scale.data_ptr<float>();
+  std::vector<float> best(chunks * M);  // [chunk][row]: the chunk's largest value and its column
+  std::vector<int64_t> where(chunks * M);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    thread_local std::vector<float> buf;
+    buf.resize(std::max<size_t>(buf.size(), M * kArgmaxChunk));
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t col = c * kArgmaxChunk, cols = std::min(kArgmaxChunk, n - col);
+      panel_products_i8(qp, sp, M, K, wp, cp, col, cols, scp, bias_p, buf.data(), cols, /*cold=*/true, epoch, xs);
+      for (int64_t i = 0; i < M; ++i) {
+        const int64_t j = row_argmax(buf.data() + i * cols, cols);
+        best[c * M + i] = buf[i * cols + j];
+        where[c * M + i] = col + j;
+      }
+    }
+  });
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t i = 0; i < M; ++i) {  // chunk by chunk: a later chunk wins only when larger (the first index)
+    int64_t c_best = 0;
+    for (int64_t c = 1; c < chunks; ++c)
+      if (best[c * M + i] > best[c_best * M + i]) c_best = c;
+    op[i] = where[c_best * M + i];
+  }
+  return out;
 }
 
 // The same product from x already quantized (fused.cpp's add_rms_norm_q8_ / silu_mul_q8 hand
@@ -831,6 +898,8 @@ TORCH_LIBRARY_FRAGMENT(inferlab, m) {
         "-> (Tensor, Tensor)");
 #endif
   m.def("linear_panels_i8(Tensor x, Tensor panels, Tensor corr, Tensor scale, int n, Tensor? bias=None) -> Tensor");
+  m.def("linear_panels_i8_argmax(Tensor x, Tensor panels, Tensor corr, Tensor scale, int n, Tensor? bias=None) "
+        "-> Tensor");
   m.def("linear_panels_i8_q(Tensor xq, Tensor sx, int k, Tensor panels, Tensor corr, Tensor scale, int n, "
         "Tensor? bias=None) -> Tensor");
   m.def("linear_panels_i8_q_rope_kv(Tensor xq, Tensor sx, int k, Tensor panels, Tensor corr, Tensor scale, "
@@ -853,6 +922,7 @@ TORCH_LIBRARY_IMPL(inferlab, CPU, m) {
   m.impl("linear_panels_i8_silu_q", &linear_panels_i8_silu_q);
 #endif
   m.impl("linear_panels_i8", &linear_panels_i8);
+  m.impl("linear_panels_i8_argmax", &linear_panels_i8_argmax);
   m.impl("linear_panels_i8_q", &linear_panels_i8_q);
   m.impl("linear_panels_i8_q_rope_kv", &linear_panels_i8_q_rope_kv);
 }

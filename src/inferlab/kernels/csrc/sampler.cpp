@@ -33,35 +33,11 @@
 namespace {
 
 using inferlab_simd::exp8;
+using inferlab_simd::row_argmax;
+using inferlab_simd::row_max;
 
 constexpr int64_t kCandidates = 256;  // engine/sampler.py CANDIDATES
 constexpr float kExpFloor = -87.0f;   // exp8 clamps below this; weights there are exactly 0
-
-float row_max(const float* x, int64_t n) {
-  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + j));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, m);
-  float best = lanes[0];
-  for (int i = 1; i < 8; ++i) best = std::max(best, lanes[i]);
-  for (; j < n; ++j) best = std::max(best, x[j]);
-  return best;
-}
-
-// The first index of the maximum (torch.argmax's choice).
-int64_t row_argmax(const float* x, int64_t n) {
-  const float best = row_max(x, n);
-  const __m256 b = _mm256_set1_ps(best);
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), b, _CMP_EQ_OQ));
-    if (mask) return j + __builtin_ctz(mask);
-  }
-  for (; j < n; ++j)
-    if (x[j] == best) return j;
-  return 0;  // an all-NaN row
-}
 
 // exp((x[j] - shift) * inv_t) into w (0 where the exponent is below kExpFloor); returns the sum.
 float exp_row(const float* x, int64_t n, float shift, float inv_t, float* w) {

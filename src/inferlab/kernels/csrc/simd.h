@@ -7,7 +7,9 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 namespace inferlab_simd {
@@ -112,6 +114,34 @@ inline void for_row_tiles(int64_t M, F&& tile) {
   int64_t m = 0;
   for (; m + Max <= M; m += Max) tile(std::integral_constant<int, Max>{}, m);
   tail_tile<Max - 1>(M - m, m, tile);
+}
+
+// The largest of x[0 .. n).
+inline float row_max(const float* x, int64_t n) {
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + j));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float best = lanes[0];
+  for (int i = 1; i < 8; ++i) best = std::max(best, lanes[i]);
+  for (; j < n; ++j) best = std::max(best, x[j]);
+  return best;
+}
+
+// The first index of the maximum (torch.argmax's choice): the sampler's greedy token
+// (sampler.cpp), and linear_panels_i8_argmax's per chunk of columns (linear.cpp).
+inline int64_t row_argmax(const float* x, int64_t n) {
+  const float best = row_max(x, n);
+  const __m256 b = _mm256_set1_ps(best);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), b, _CMP_EQ_OQ));
+    if (mask) return j + __builtin_ctz(mask);
+  }
+  for (; j < n; ++j)
+    if (x[j] == best) return j;
+  return 0;  // an all-NaN row
 }
 
 }  // namespace inferlab_simd
