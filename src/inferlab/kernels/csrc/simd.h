@@ -116,10 +116,20 @@ inline void for_row_tiles(int64_t M, F&& tile) {
   tail_tile<Max - 1>(M - m, m, tile);
 }
 
-// The largest of x[0 .. n).
+// The largest of x[0 .. n). Four running maxima, 32 values a step: one vmaxps chain waited on
+// its own latency (a 32-row greedy step's 49,152 logits a row: linear_panels_i8_argmax's
+// reduction 0.22 -> ~0.06 ms of its ~1.4).
 inline float row_max(const float* x, int64_t n) {
-  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 lowest = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 m0 = lowest, m1 = lowest, m2 = lowest, m3 = lowest;
   int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    m0 = _mm256_max_ps(m0, _mm256_loadu_ps(x + j));
+    m1 = _mm256_max_ps(m1, _mm256_loadu_ps(x + j + 8));
+    m2 = _mm256_max_ps(m2, _mm256_loadu_ps(x + j + 16));
+    m3 = _mm256_max_ps(m3, _mm256_loadu_ps(x + j + 24));
+  }
+  __m256 m = _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3));
   for (; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + j));
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, m);
