@@ -433,12 +433,13 @@ def test_engine_with_float16_weights_follows_float32(tiny_llama, monkeypatch, us
         assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-2
 
 
-@needs_int8_dot
-def test_greedy_w8a8_steps_take_the_lm_heads_argmax_for_the_samplers_tokens(tiny_llama):
-    """A step whose rows are all plain greedy asks the w8a8 lm_head for its argmax (no logits,
-    no sampler: ModelRunner.fused_greedy) and gets the tokens the sampler picks from the logits;
-    a row asking for logprobs keeps its step on the sampler."""
-    llm = LLM(str(tiny_llama), dtype="float32", weight_dtype="w8a8", num_kv_blocks=64)
+@pytest.mark.parametrize("mode", ["w8a8", "bfloat16"])
+def test_greedy_steps_take_the_lm_heads_argmax_for_the_samplers_tokens(tiny_llama, mode):
+    """A step whose rows are all plain greedy asks the lm_head (w8a8's or bf16 panels) for its
+    argmax (no logits, no sampler: ModelRunner.fused_greedy) and gets the tokens the sampler
+    picks from the logits; a row asking for logprobs keeps its step on the sampler."""
+    _panels_or_skip(mode)
+    llm = LLM(str(tiny_llama), dtype="float32", weight_dtype=mode, num_kv_blocks=64)
     runner = llm.engine.runner
     assert runner.fused_greedy
     calls: list[int] = []
@@ -791,33 +792,54 @@ def test_linear_panels_i8_refuses_mismatched_inputs():
             ops.linear_panels_i8(*args)
 
 
-@needs_int8_dot
+def _panels_or_skip(mode: str) -> None:
+    info = build.kernel_info()
+    if mode == "w8a8" and not info.int8_dot:
+        pytest.skip(f"w8a8 needs an integer dot product; this process has {info.variant}")
+    if mode == "bfloat16" and not info.bf16_dot:
+        pytest.skip(f"bf16 panels are the AVX512_BF16 variants' layout; this process has {info.variant}")
+
+
+@pytest.mark.parametrize("mode", ["w8a8", "bfloat16"])
 @pytest.mark.parametrize("m", [1, 2, 5, 13, 32, 40])
-def test_w8a8_argmax_is_the_products_argmax_without_the_product(m):
-    """linear_panels_i8_argmax (a greedy step's lm_head): each row's argmax of the very product
-    linear_panels_i8 gives, the first index of the largest, across its chunks of 512 columns
-    (n = 1,300: three chunks, the last part of a panel); two equal columns in different chunks
-    give the first. Every row count's path (rows streamed, tiles of rows, the amx tiles)."""
-    n, k = 1300, 200
+def test_lm_head_argmax_is_the_products_argmax_without_the_product(mode, m):
+    """linear_panels_i8_argmax / linear_panels_argmax (a greedy step's lm_head): each row's argmax
+    of the very product the panels give, the first index of the largest, across chunks of 2,048
+    columns (n = 4,500: three chunks, the last part of a panel); equal columns in different
+    chunks give the first. Every row count's path (rows streamed, tiles of rows, the amx tiles)."""
+    _panels_or_skip(mode)
+    n, k = 4500, 200
     w = _weight(n, k, seed=m)
-    w[300] = w[900] = w[1100] = w[300] * 3  # equal columns, larger than the rest, in the 1st, 2nd and 3rd chunk
+    w[300] = w[2100] = w[4400] = w[300] * 3  # equal columns, larger than the rest, in the 1st, 2nd and 3rd chunk
     bias = torch.randn(n, generator=torch.Generator().manual_seed(1))
-    bias[1100] = bias[900] = bias[300]
-    lin = WeightOnlyLinear(w, torch.int8, bias, int8_activations=True)
+    bias[4400] = bias[2100] = bias[300]
+
+    def make(b):
+        return (WeightOnlyLinear(w, torch.int8, b, int8_activations=True) if mode == "w8a8"
+                else WeightOnlyLinear(w, torch.bfloat16, b))
+
+    lin = make(bias)
     assert lin.fused_argmax
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    x[: m // 2 + 1] = w[300] * 4  # these rows' largest output is column 300's, tied with 900 and 1100
+    x[: m // 2 + 1] = w[300] * 4  # these rows' largest output is column 300's, tied with 2100 and 4400
     y = lin(x)
     got = lin.argmax(x)
     assert got.dtype == torch.long and got.shape == (m,)
     assert torch.equal(got, y.argmax(dim=-1))
-    assert bool((got[: m // 2 + 1] == 300).all()) and bool((y[: m // 2 + 1, 900] == y[: m // 2 + 1, 300]).all())
-    unbiased = WeightOnlyLinear(w, torch.int8, None, int8_activations=True)
+    assert bool((got[: m // 2 + 1] == 300).all()) and bool((y[: m // 2 + 1, 4400] == y[: m // 2 + 1, 300]).all())
+    unbiased = make(None)
     assert torch.equal(unbiased.argmax(x), unbiased(x).argmax(dim=-1))
-    with pytest.raises(RuntimeError, match="x must be a float32 matrix"):
-        torch.ops.inferlab.linear_panels_i8_argmax(x[None], lin.weight, lin.row_sums, lin.scale, n, lin.bias)
-    with pytest.raises(RuntimeError, match="panels must be"):
-        torch.ops.inferlab.linear_panels_i8_argmax(x, lin.weight, lin.row_sums, lin.scale, n + 40, lin.bias)
+    ops = torch.ops.inferlab
+    if mode == "w8a8":
+        with pytest.raises(RuntimeError, match="x must be a float32 matrix"):
+            ops.linear_panels_i8_argmax(x[None], lin.weight, lin.row_sums, lin.scale, n, lin.bias)
+        with pytest.raises(RuntimeError, match="panels must be"):
+            ops.linear_panels_i8_argmax(x, lin.weight, lin.row_sums, lin.scale, n + 40, lin.bias)
+    else:
+        with pytest.raises(RuntimeError, match="x must be a matrix"):
+            ops.linear_panels_argmax(x[None], lin.weight, n, lin.bias)
+        with pytest.raises(RuntimeError, match="bias must be"):
+            ops.linear_panels_argmax(x, lin.weight, n, bias[:-1])
 
 
 @needs_int8_dot

@@ -109,8 +109,8 @@ class ModelRunner:
         self.sampler = Sampler(seed, fused=self.backends.fused_sampler)
         # A step whose rows all take the argmax of their raw logits (sampler.plain_greedy) asks
         # the lm_head for those argmaxes straight away where it has them without the logits
-        # (DecoderModel.greedy_tokens: w8a8 on our kernels): no [N, vocab] logits written, read
-        # back and passed through the sampler's Python.
+        # (DecoderModel.greedy_tokens: w8a8's or bf16 panels on our kernels): no [N, vocab]
+        # logits written, read back and passed through the sampler's Python.
         self.fused_greedy = self.backends.fused_sampler and getattr(self.model, "fused_greedy", False)
         # A draft model's proposer: request id → the [k, V] distributions its drafts were
         # sampled from (None for argmax drafts), for rejection sampling against them.

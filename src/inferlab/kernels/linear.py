@@ -346,16 +346,20 @@ class WeightOnlyLinear:
 
     @property
     def fused_argmax(self) -> bool:
-        """`argmax` runs without the product written whole (w8a8's panels on our kernels)."""
-        return self.i8_panels and self.use_kernels
+        """`argmax` runs without the product written whole (w8a8's or bf16 panels on our kernels)."""
+        return (self.i8_panels or self.bf16_products) and self.use_kernels
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """Each row's argmax of `self(x)` (float32 x [M, K]), int64 [M], the first index of the
         largest, as the sampler's greedy token: the product's own bits, never written whole
-        (linear.cpp linear_panels_i8_argmax) where `fused_argmax`, else from `self(x)`."""
+        (linear.cpp linear_panels_i8_argmax / linear_panels_argmax) where `fused_argmax`, else
+        from `self(x)`."""
         if self.fused_argmax and x.dtype == torch.float32 and x.device.type == "cpu":
-            return torch.ops.inferlab.linear_panels_i8_argmax(x, self.weight, self.row_sums, self.scale,
-                                                              self.out_features, self.bias)
+            ops = torch.ops.inferlab
+            if self.i8_panels:
+                return ops.linear_panels_i8_argmax(x, self.weight, self.row_sums, self.scale, self.out_features,
+                                                   self.bias)
+            return ops.linear_panels_argmax(x, self.weight, self.out_features, self.bias)
         return self(x).float().argmax(dim=-1)
 
     def fallback(self, x: torch.Tensor) -> torch.Tensor:

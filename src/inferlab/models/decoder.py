@@ -377,7 +377,8 @@ class DecoderModel:
 
     @property
     def fused_greedy(self) -> bool:
-        """`greedy_tokens` skips the logits (the lm_head takes its argmax as it goes: w8a8)."""
+        """`greedy_tokens` skips the logits (the lm_head takes its argmax as it goes: w8a8's or
+        bf16 panels on our kernels)."""
         return isinstance(self.lm_head, WeightOnlyLinear) and self.lm_head.fused_argmax
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:

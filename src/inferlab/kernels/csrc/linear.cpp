@@ -63,6 +63,8 @@
 //                           -> Tensor
 //       each row of x [M, K]'s argmax over linear_panels_i8's n outputs (int64 [M], the first index
 //       of the largest: a greedy decode step's tokens), the product never written whole.
+//   linear_panels_argmax(Tensor x, Tensor panels, int n, Tensor? bias=None) -> Tensor
+//       (avx512 variants) the same over linear_panels' float32 outputs (bf16 panels).
 //   linear_panels_i8_q(Tensor xq, Tensor sx, int k, Tensor panels, Tensor corr, Tensor scale, int n,
 //                      Tensor? bias=None) -> Tensor
 //       the same product from x already quantized: xq uint8 [M, ceil(k / 64) * 64]
@@ -622,39 +624,23 @@ at::Tensor linear_panels_i8(const at::Tensor& x, const at::Tensor& panels, const
   return y.view(out_sizes);
 }
 
-// Each row's argmax over linear_panels_i8's n outputs (the first index of the largest, as the
+// Each row's argmax over a product's n outputs (the first index of the largest, as the
 // sampler's greedy token: simd.h row_argmax), int64 [M], without the [M, n] product: the
 // columns in chunks of kArgmaxChunk, each thread a run of chunks, each chunk multiplied into a
-// buffer of the thread's (panel_products_i8: the bits linear_panels_i8 gives those columns) and
-// reduced there while it is in cache. Why: a greedy decode step otherwise writes the whole
-// logits out and the sampler reads them back (SmolLM2's 49,152 columns: 6.3 MB at 32 streams).
-// 2,048 columns a chunk (256 KB of sums at 32 rows, in L2): each chunk's first panels come
-// cold, and 32 rows of SmolLM2's lm_head took 1.78 ms a call in chunks of 256 against 1.67.
-// Measured in the engine (w8a8, 32 streams, rounds alternated with the logits and the sampler,
-// 10 pairs, each faster): the step 22.02 -> 21.35 ms.
+// buffer of the thread's (product(col, cols, buf): the bits the whole product gives those
+// columns) and reduced there while it is in cache. Why: a greedy decode step otherwise writes
+// the whole logits out and the sampler reads them back (SmolLM2's 49,152 columns: 6.3 MB at 32
+// streams). 2,048 columns a chunk (256 KB of sums at 32 rows, in L2): each chunk's first
+// panels come cold, and 32 rows of SmolLM2's w8a8 lm_head took 1.78 ms a call in chunks of 256
+// against 1.67. Measured in the engine (w8a8, 32 streams, rounds alternated with the logits and
+// the sampler, 10 pairs, each faster): the step 22.02 -> 21.35 ms.
 constexpr int64_t kArgmaxChunk = 2048;
 
-at::Tensor linear_panels_i8_argmax(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& corr,
-                                   const at::Tensor& scale, int64_t n, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2,
-              "inferlab linear_panels_i8_argmax: x must be a float32 matrix, got ", x.scalar_type(), " ", x.sizes());
-  const int64_t K = x.size(1);
-  check_i8_panels("linear_panels_i8_argmax", K, panels, corr, scale, n);
-  TORCH_CHECK(n > 0, "inferlab linear_panels_i8_argmax: no columns to take the argmax of");
-  const float* bias_p = vector_or_null(bias, n, "linear_panels_i8_argmax", "bias");
-  const at::Tensor x2 = x.contiguous();
-  const int64_t M = x2.size(0), chunks = (n + kArgmaxChunk - 1) / kArgmaxChunk;
-  at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
+template <typename F>
+at::Tensor chunked_argmax(int64_t M, int64_t n, const at::TensorOptions& opts, const F& product) {
+  const int64_t chunks = (n + kArgmaxChunk - 1) / kArgmaxChunk;
+  at::Tensor out = at::empty({M}, opts.dtype(at::kLong));
   if (M == 0) return out;
-  const auto [xq, sx] = quantize_x_i8(x2);
-  const uint8_t* qp = xq.data_ptr<uint8_t>();
-  const float* sp = sx.data_ptr<float>();
-  const int64_t ldx = i8_groups(K) * kI8Group;
-  const uint64_t epoch = next_x_epoch();  // these codes, for every chunk
-  const int8_t* xs = tile_codes(qp, M, ldx);
-  const int8_t* wp = panels.data_ptr<int8_t>();
-  const int32_t* cp = corr.data_ptr<int32_t>();
-  const float* scp = scale.data_ptr<float>();
   std::vector<float> best(chunks * M);  // [chunk][row]: the chunk's largest value and its column
   std::vector<int64_t> where(chunks * M);
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
@@ -662,7 +648,7 @@ at::Tensor linear_panels_i8_argmax(const at::Tensor& x, const at::Tensor& panels
     buf.resize(std::max<size_t>(buf.size(), M * kArgmaxChunk));
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t col = c * kArgmaxChunk, cols = std::min(kArgmaxChunk, n - col);
-      panel_products_i8(qp, sp, M, K, wp, cp, col, cols, scp, bias_p, buf.data(), cols, /*cold=*/true, epoch, xs);
+      product(col, cols, buf.data());
       for (int64_t i = 0; i < M; ++i) {
         const int64_t j = row_argmax(buf.data() + i * cols, cols);
         best[c * M + i] = buf[i * cols + j];
@@ -679,6 +665,49 @@ at::Tensor linear_panels_i8_argmax(const at::Tensor& x, const at::Tensor& panels
   }
   return out;
 }
+
+at::Tensor linear_panels_i8_argmax(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& corr,
+                                   const at::Tensor& scale, int64_t n, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2,
+              "inferlab linear_panels_i8_argmax: x must be a float32 matrix, got ", x.scalar_type(), " ", x.sizes());
+  const int64_t K = x.size(1);
+  check_i8_panels("linear_panels_i8_argmax", K, panels, corr, scale, n);
+  TORCH_CHECK(n > 0, "inferlab linear_panels_i8_argmax: no columns to take the argmax of");
+  const float* bias_p = vector_or_null(bias, n, "linear_panels_i8_argmax", "bias");
+  const at::Tensor x2 = x.contiguous();
+  const int64_t M = x2.size(0);
+  if (M == 0) return at::empty({0}, x.options().dtype(at::kLong));
+  const auto [xq, sx] = quantize_x_i8(x2);
+  const uint8_t* qp = xq.data_ptr<uint8_t>();
+  const float* sp = sx.data_ptr<float>();
+  const uint64_t epoch = next_x_epoch();  // these codes, for every chunk
+  const int8_t* xs = tile_codes(qp, M, i8_groups(K) * kI8Group);
+  const int8_t* wp = panels.data_ptr<int8_t>();
+  const int32_t* cp = corr.data_ptr<int32_t>();
+  const float* scp = scale.data_ptr<float>();
+  return chunked_argmax(M, n, x.options(), [&](int64_t col, int64_t cols, float* buf) {
+    panel_products_i8(qp, sp, M, K, wp, cp, col, cols, scp, bias_p, buf, cols, /*cold=*/true, epoch, xs);
+  });
+}
+
+#if defined(__AVX512BF16__)
+// The same for bf16 panels (linear_panels' float32 outputs).
+at::Tensor linear_panels_argmax(const at::Tensor& x, const at::Tensor& panels, int64_t n,
+                                const std::optional<at::Tensor>& bias) {
+  check_bf16_panels("linear_panels_argmax", x, panels, n);
+  TORCH_CHECK(x.dim() == 2, "inferlab linear_panels_argmax: x must be a matrix, got ", x.sizes());
+  TORCH_CHECK(n > 0, "inferlab linear_panels_argmax: no columns to take the argmax of");
+  const int64_t M = x.size(0), K = x.size(1), kp = panel_k(K);
+  const float* bias_p = vector_or_null(bias, n, "linear_panels_argmax", "bias");
+  if (M == 0) return at::empty({0}, x.options().dtype(at::kLong));
+  const at::Tensor xb = x_in_bf16(x, kp);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+  const at::BFloat16* wp = panels.data_ptr<at::BFloat16>();
+  return chunked_argmax(M, n, x.options(), [&](int64_t col, int64_t cols, float* buf) {
+    panel_products_bf16(xp, kp, M, K, wp, col, cols, nullptr, bias_p, buf, cols, /*cold=*/true);
+  });
+}
+#endif
 
 // The same product from x already quantized (fused.cpp's add_rms_norm_q8_ / silu_mul_q8 hand
 // their rows over as codes): the same codes give the same bits as linear_panels_i8 of the
@@ -892,6 +921,7 @@ TORCH_LIBRARY_FRAGMENT(inferlab, m) {
   m.def("linear_w4(Tensor x, Tensor codes, Tensor dm, Tensor? bias=None, int mkl_min_rows=128) -> Tensor");
 #if defined(__AVX512BF16__)
   m.def("linear_panels(Tensor x, Tensor panels, int n, Tensor? bias=None, bool out_bf16=False) -> Tensor");
+  m.def("linear_panels_argmax(Tensor x, Tensor panels, int n, Tensor? bias=None) -> Tensor");
   m.def("linear_panels_rope_kv(Tensor x, Tensor panels, Tensor? bias, Tensor positions, Tensor cos, Tensor sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int H, int kvH, int D, Tensor? k_scale=None, "
         "Tensor? v_scale=None) -> (Tensor, Tensor, Tensor)");
@@ -919,6 +949,7 @@ TORCH_LIBRARY_IMPL(inferlab, CPU, m) {
   m.impl("linear_w4", &linear_w4);
 #if defined(__AVX512BF16__)
   m.impl("linear_panels", &linear_panels);
+  m.impl("linear_panels_argmax", &linear_panels_argmax);
   m.impl("linear_panels_rope_kv", &linear_panels_rope_kv);
 #endif
 #ifdef INFERLAB_AMX
