@@ -59,6 +59,7 @@ def _run(model: Path, tp: int, **settings) -> tuple[list[list[int]], list[torch.
             return seen[-1]
 
         model_.compute_logits = recorded  # type: ignore[method-assign]
+        llm.engine.runner.fused_greedy = False  # the logits themselves, not the lm_head's argmax
         outs = llm.generate(PROMPTS, GREEDY)
         return [o.outputs[0].token_ids for o in outs], seen
 

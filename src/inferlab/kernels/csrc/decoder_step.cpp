@@ -601,7 +601,8 @@ class DecoderStep : public torch::CustomClassHolder {
   // each store's read-for-ownership, scattered lines from memory, ~2 x 3 x 32 rows a layer at 32
   // streams, and made the other thread wait at the phase's barrier. The default model's w8a8
   // decode at 32 streams, 2 cores of the Xeon with AMX, in-process rounds alternated (6): the
-  // qkv phase 1.36 -> 1.27 ms, the step 20.43 -> 20.01.
+  // qkv phase 1.36 -> 1.27 ms, the step 20.43 -> 20.01. From kSharedNormRows rows (a step of a
+  // few streams writes a few rows; not measured there).
   template <typename C>
   void prefetch_kv_rows(C* kc, C* vc, const int64_t* slots, int64_t m, int64_t num_slots, int64_t tid,
                         int64_t nt) const {
