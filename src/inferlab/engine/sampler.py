@@ -314,9 +314,14 @@ def plain_greedy(rows: list[ScheduledRequest]) -> bool:
     for r in rows:
         p = r.sampling_params
         if (not p.greedy or p.logprobs is not None or p.has_token_constraints or p.has_penalties
-                or getattr(r, "grammar", None) is not None or (p.min_tokens and len(r.output_token_ids) < p.min_tokens)):
+                or getattr(r, "grammar", None) is not None or _before_min_tokens(r)):
             return False
     return True
+
+
+def _before_min_tokens(r: ScheduledRequest) -> bool:
+    """Fewer than min_tokens outputs yet: EOS and the stop tokens are still masked."""
+    return bool(r.sampling_params.min_tokens) and len(r.output_token_ids) < r.sampling_params.min_tokens
 
 
 def mask_early_stop_tokens(logits: torch.Tensor, rows: list[ScheduledRequest]) -> torch.Tensor:
@@ -324,7 +329,7 @@ def mask_early_stop_tokens(logits: torch.Tensor, rows: list[ScheduledRequest]) -
     cloned = False
     for i, r in enumerate(rows):
         sp = r.sampling_params
-        if sp.min_tokens and len(r.output_token_ids) < sp.min_tokens:
+        if _before_min_tokens(r):
             ids = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(r.eos_token_ids))
             ids = [t for t in ids if t < logits.shape[1]]
             if ids:
