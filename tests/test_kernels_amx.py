@@ -3,7 +3,7 @@ w8a8's (from 2 rows) are the avx512 variant's bits at every row count (exact int
 same float32 steps after them), down to the engine's tokens and logprobs; bf16's (every row
 count, K a whole number of 32-value tiles) hold to the float32 sums' bound and give each row the
 same bits at every row count; SiLU(gate) * up taken from the tiles is the product then
-silu_mul's bits (w8a8's: silu_mul_q8's codes), down to a prefill's logprobs. The avx512 variant of the
+silu_mul's bits (w8a8's on every variant: test_kernels_linear.py), down to a prefill's logprobs. The avx512 variant of the
 same build runs in a child process (INFERLAB_KERNELS=avx512). Skipped where this process has no
 amx variant, naming what is missing."""
 
@@ -142,30 +142,8 @@ def test_silu_from_the_tiles_gives_the_product_then_silu_mul_bits():
     assert not WeightOnlyLinear(torch.randn(80, 64), torch.bfloat16).silu_tiles  # halves of 40: not whole panels
 
 
-def test_w8a8_silu_codes_from_the_tiles_give_the_product_then_silu_mul_q8_bits():
-    """linear_panels_i8_silu_q: w8a8's SiLU(gate) * up from the tiles of up to 12 gate and 12 up
-    panels at a time, quantized per 192 (a scale of the down product's x; the last what is left):
-    the codes and scales silu_mul_q8 makes of product_q8's output, every row count; a weight it
-    cannot take says so."""
-    ops = torch.ops.inferlab
-    g = torch.Generator().manual_seed(6)
-    for k, inter in ((576, 1536), (64, 64), (130, 320), (64, 448)):  # 64, 320, 448: a last scale of 64 / 128 / 64
-        lin = WeightOnlyLinear(torch.randn(2 * inter, k, generator=g) * 0.05, torch.int8, int8_activations=True)
-        assert lin.silu_tiles_q8
-        for m in (*ROWS, 513):
-            x = torch.randn(m, k, generator=g) * 3
-            x[:, 1] *= 30
-            xq, sx = ops.add_rms_norm_q8_(x, torch.zeros_like(x), torch.ones(k), 1e-5)
-            want, got = ops.silu_mul_q8(lin.product_q8(xq, sx)), lin.product_silu_q8(xq, sx)
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (k, inter, m)
-    odd = WeightOnlyLinear(torch.randn(96, 64), torch.int8, int8_activations=True)  # halves of 48: not whole groups
-    assert not odd.silu_tiles_q8
-    with pytest.raises(ValueError, match="product_silu_q8 needs"):
-        odd.product_silu_q8(*ops.add_rms_norm_q8_(torch.randn(2, 64), torch.zeros(2, 64), torch.ones(64), 1e-5))
-
-
 def test_prefills_with_silu_from_the_tiles_give_the_same_logprobs(tmp_path):
     """The model takes SiLU(gate) * up from the tiles in its bf16 prefill steps (128+ rows), and
-    w8a8's in every step off the decode step: prompt and sampled logprobs the same bits as with
-    the product then silu_mul (silu_mul_q8)."""
+    w8a8's in every step off the decode step (every variant's: test_kernels_linear.py): prompt and
+    sampled logprobs the same bits as with the product then silu_mul (silu_mul_q8)."""
     assert_same_logprobs_with_the_path_off(tmp_path, (("auto", "silu_tiles"), ("w8a8", "silu_tiles_q8")))

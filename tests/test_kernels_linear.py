@@ -727,6 +727,48 @@ def _variant_in_child(variant: str, code: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def silu_q8_is_the_product_then_silu_mul_q8() -> None:
+    """linear_panels_i8_silu_q against silu_mul_q8(product_q8(...)) on this process's variant:
+    codes and scales the same bits at every row count (a pass of 64 rows, several, a tile's
+    tail), halves of one scale group, of several, and with a last group of what is left; a weight
+    whose halves are not whole groups of 64 is refused by name."""
+    ops = torch.ops.inferlab
+    g = torch.Generator().manual_seed(6)
+    # inter 64 / 320 / 448 / 640: a last output group of 64 / 128 / 64 columns (192 a scale on
+    # AVX-512) and of 64 / 192 / 128 (the AVX2 variant's blocks of 256)
+    for k, inter in ((576, 1536), (64, 64), (130, 320), (64, 448), (64, 640)):
+        lin = WeightOnlyLinear(torch.randn(2 * inter, k, generator=g) * 0.05, torch.int8, int8_activations=True)
+        assert lin.silu_tiles_q8
+        for m in (1, 2, 5, 16, 17, 33, 64, 100, 300, 513):
+            x = torch.randn(m, k, generator=g) * 3
+            x[:, 1] *= 30
+            xq, sx = ops.add_rms_norm_q8_(x, torch.zeros_like(x), torch.ones(k), 1e-5)
+            want, got = ops.silu_mul_q8(lin.product_q8(xq, sx)), lin.product_silu_q8(xq, sx)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (k, inter, m)
+    odd = WeightOnlyLinear(torch.randn(96, 64), torch.int8, int8_activations=True)  # halves of 48: not whole groups
+    assert not odd.silu_tiles_q8
+    with pytest.raises(ValueError, match="product_silu_q8 needs"):
+        odd.product_silu_q8(*ops.add_rms_norm_q8_(torch.randn(2, 64), torch.zeros(2, 64), torch.ones(64), 1e-5))
+
+
+@needs_int8_dot
+def test_w8a8_silu_codes_from_the_gate_up_product_are_the_product_then_silu_mul_q8_bits():
+    """w8a8's SiLU(gate) * up as the down product's codes, made from gate_up's sums in cache (the
+    amx variant's tiles, the others' panel products into a buffer): silu_mul_q8's bits. This
+    process's variant, and the avx2 variant's (its own x scales: blocks of 256) in a child where
+    the CPU runs it."""
+    silu_q8_is_the_product_then_silu_mul_q8()
+    if build.kernel_info().variant != "avx2" and set(build.VARIANTS["avx2"][0]) <= build.cpu_flags():
+        _variant_in_child("avx2", "from test_kernels_linear import silu_q8_is_the_product_then_silu_mul_q8 as f; f()")
+
+
+@needs_int8_dot
+def test_w8a8_prefills_with_silu_codes_from_the_product_give_the_same_logprobs(tmp_path):
+    """The model takes w8a8's SiLU(gate) * up codes from the gate_up product in every step off
+    the decode step: prompt and sampled logprobs the same bits as with silu_mul_q8 after it."""
+    assert_same_logprobs_with_the_path_off(tmp_path, (("w8a8", "silu_tiles_q8"),))
+
+
 @needs_int8_dot
 def test_w8a8_on_each_variant_computes_its_own_documented_numerics(tmp_path):
     """avx2 (vpmaddubsw, 7-bit x per 16 values) and avx512 (vpdpbusd, 8-bit x per 64) quantize x

@@ -245,9 +245,10 @@ class WeightOnlyLinear:
             self.row_sums = (panel_corrections_i8(self.weight) if not self.panel_xor
                              else torch.empty(0, dtype=torch.int32))
             self.bf16_gemm = False
-        # w8a8's the same on the amx variant (`product_silu_q8`): each half whole groups of 64
-        # (its output groups are the down product's scales, the last of them what is left).
-        self.silu_tiles_q8 = self.i8_panels and kernel.amx and bias is None and self.out_features % 128 == 0
+        # w8a8's the same (`product_silu_q8`), from the amx variant's tiles or the panel products
+        # into a buffer in cache: each half whole groups of 64 (its output groups are the down
+        # product's scales, the last of them what is left).
+        self.silu_tiles_q8 = self.i8_panels and bias is None and self.out_features % 128 == 0
 
     @property
     def bf16_x_min_rows(self) -> int | None:
@@ -331,7 +332,8 @@ class WeightOnlyLinear:
         """w8a8: SiLU(gate) * up of a [gate; up] weight (`silu_tiles_q8`), from x's codes, as the
         down product's codes and scales: the bits of silu_mul_q8(product_q8(xq, sx))."""
         if not self.silu_tiles_q8:
-            raise ValueError("product_silu_q8 needs w8a8 panels of a [gate; up] weight on the amx kernel variant")
+            raise ValueError("product_silu_q8 needs w8a8 panels of a [gate; up] weight without a bias, "
+                             "each half whole groups of 64")
         return torch.ops.inferlab.linear_panels_i8_silu_q(xq, sx, self.in_features, self.weight, self.row_sums,
                                                           self.scale, self.out_features)
 

@@ -47,11 +47,12 @@
 //       SmolLM2 wrote and read back 6 MB a layer, and the separate silu_mul was ~7% of its time).
 //   linear_panels_i8_silu_q(Tensor xq, Tensor sx, int k, Tensor panels, Tensor corr, Tensor scale, int n)
 //       -> (Tensor, Tensor)
-//       (amx variant only) w8a8's the same: a [gate; up] weight of n rows (n a multiple of 128) in
-//       panels, x as codes (linear_panels_i8_q's xq, sx): the down product's codes and scales, the
-//       bits of silu_mul_q8(linear_panels_i8_q(...)), 4 gate and 4 up panels' tiles at a time (one
-//       group of 64 outputs), never the [M, n] float32 product (1,024-token prefill of SmolLM2
-//       296-323 -> 261-274 ms, 8 x 256 528-551 -> 438-450, alternated, Xeon).
+//       w8a8's the same: a [gate; up] weight of n rows (n a multiple of 128) in panels, x as codes
+//       (linear_panels_i8_q's xq, sx): the down product's codes and scales, the bits of
+//       silu_mul_q8(linear_panels_i8_q(...)), never the [M, n] float32 product. On the amx
+//       variant from its tiles, 4 gate and 4 up panels at a time (1,024-token prefill of SmolLM2
+//       296-323 -> 261-274 ms, 8 x 256 528-551 -> 438-450, alternated, Xeon); elsewhere a group
+//       of outputs' gate and up columns by the panel products into a buffer in cache (panel_silu_q8).
 //   linear_panels_i8(Tensor x, Tensor panels, Tensor corr, Tensor scale, int n, Tensor? bias=None) -> Tensor
 //       w8a8: int8 codes as kernels/linear.py's pack_panels_i8 stores them ([ceil(n / 16),
 //       ceil(K / 64) * 16, 16, 4]; on AVX2 with the sign bit flipped, u = w + 128), corr their
@@ -807,6 +808,39 @@ void amx_silu_q8(const int8_t* xs, const float* sx, int64_t M, int64_t groups, c
   }
 }
 
+#endif
+
+#ifndef INFERLAB_AMX
+// Columns of SiLU(gate) * up a panel_silu_q8 group takes at a time: whole runs of quantize_row_u8's
+// scales (the AVX2 variant's shared powers of two: its blocks of 256), so a group's codes are the
+// bits of the whole row's.
+constexpr int64_t kSiluOutGroup = kI8ScaleBlock > 0 ? kI8ScaleBlock : kI8ScaleGroup;
+
+// The same as amx_silu_q8 on the panel variants: for the M (<= kPanelRowBlock) rows of x's codes
+// (xq, stride ldx, scales sx; x_epoch: their quantization, next_x_epoch) and the output groups
+// [o0, o1) of kSiluOutGroup columns, the group's gate columns and then its up columns by
+// panel_products_i8 (each column tile streamed once across the row tiles) into buffers of this
+// thread's (L2, ~100 KB at 64 rows), then silu_mul_row and quantize_row_u8 of each row's group.
+// Why: the [M, 2I] float32 product went to memory and came back for silu_mul_q8 (a prefill of
+// 2,048 tokens of SmolLM2: 25 MB a layer each way).
+void panel_silu_q8(const uint8_t* xq, const float* sx, int64_t M, int64_t K, const int8_t* w, const int32_t* corr,
+                   const float* scale, int64_t half, int64_t o0, int64_t o1, uint8_t* codes, float* scales,
+                   int64_t ldc, int64_t lds, bool cold, uint64_t x_epoch) {
+  constexpr int64_t kOut = kSiluOutGroup;
+  thread_local std::vector<float> g, u, act;
+  g.resize(M * kOut), u.resize(M * kOut), act.resize(kOut);
+  for (int64_t o = o0; o < o1; ++o) {
+    const int64_t c0 = o * kOut, cols = std::min(kOut, half - c0);
+    panel_products_i8(xq, sx, M, K, w, corr, c0, cols, scale, nullptr, g.data(), kOut, cold, x_epoch);
+    panel_products_i8(xq, sx, M, K, w, corr, half + c0, cols, scale, nullptr, u.data(), kOut, cold, x_epoch);
+    for (int64_t i = 0; i < M; ++i) {
+      inferlab_rows::silu_mul_row(g.data() + i * kOut, u.data() + i * kOut, cols, act.data());
+      quantize_row_u8(act.data(), cols, codes + i * ldc + c0, scales + i * lds + c0 / kI8ScaleGroup);
+    }
+  }
+}
+#endif
+
 // linear_panels_i8_silu_q(xq, sx, k, panels, corr, scale, n) -> (codes, scales): the down
 // product's x from a w8a8 gate/up weight [gate; up] of n rows (n a multiple of 2 x 64), as
 // silu_mul_q8 would make them of linear_panels_i8_q's output, without that [M, n] float32
@@ -826,14 +860,22 @@ std::tuple<at::Tensor, at::Tensor> linear_panels_i8_silu_q(const at::Tensor& xq,
   const float* sp = sx.data_ptr<float>();
   uint8_t* cp = codes.data_ptr<uint8_t>();
   float* op = scales.data_ptr<float>();
+#ifdef INFERLAB_AMX
   const int8_t* xs = tile_codes(qp, M, ldx, /*any_rows=*/true);
   for_row_passes(M, out_groups, [&](int64_t m0, int64_t mm, int64_t o0, int64_t o1) {
     amx_silu_q8(xs + m0 * ldx, sp + m0 * ls, mm, groups, panels.data_ptr<int8_t>(),
                 scale.data_ptr<float>(), half, o0, o1, cp + m0 * half, op + m0 * out_groups, half, out_groups);
   }, 1, ldx, 2 * kI8ScaleGroup * ldx);  // an output group: up to 12 gate and 12 up panels
+#else
+  const uint64_t epoch = next_x_epoch();  // these codes, for every call below
+  for_row_passes(M, (half + kSiluOutGroup - 1) / kSiluOutGroup, [&](int64_t m0, int64_t mm, int64_t o0, int64_t o1) {
+    panel_silu_q8(qp + m0 * ldx, sp + m0 * ls, mm, k, panels.data_ptr<int8_t>(), corr.data_ptr<int32_t>(),
+                  scale.data_ptr<float>(), half, o0, o1, cp + m0 * half, op + m0 * out_groups, half, out_groups,
+                  m0 == 0, epoch);
+  }, 1, ldx, 2 * kSiluOutGroup * ldx);
+#endif
   return {codes, scales};
 }
-#endif
 
 at::Tensor linear_w8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                      const std::optional<at::Tensor>& bias, int64_t mkl_min_rows) {
@@ -928,9 +970,9 @@ TORCH_LIBRARY_FRAGMENT(inferlab, m) {
 #endif
 #ifdef INFERLAB_AMX
   m.def("linear_panels_silu(Tensor x, Tensor panels, int n) -> Tensor");
+#endif
   m.def("linear_panels_i8_silu_q(Tensor xq, Tensor sx, int k, Tensor panels, Tensor corr, Tensor scale, int n) "
         "-> (Tensor, Tensor)");
-#endif
   m.def("linear_panels_i8(Tensor x, Tensor panels, Tensor corr, Tensor scale, int n, Tensor? bias=None) -> Tensor");
   m.def("linear_panels_i8_argmax(Tensor x, Tensor panels, Tensor corr, Tensor scale, int n, Tensor? bias=None) "
         "-> Tensor");
@@ -954,8 +996,8 @@ TORCH_LIBRARY_IMPL(inferlab, CPU, m) {
 #endif
 #ifdef INFERLAB_AMX
   m.impl("linear_panels_silu", &linear_panels_silu);
-  m.impl("linear_panels_i8_silu_q", &linear_panels_i8_silu_q);
 #endif
+  m.impl("linear_panels_i8_silu_q", &linear_panels_i8_silu_q);
   m.impl("linear_panels_i8", &linear_panels_i8);
   m.impl("linear_panels_i8_argmax", &linear_panels_i8_argmax);
   m.impl("linear_panels_i8_q", &linear_panels_i8_q);
