@@ -2,10 +2,10 @@
 w8a8's (from 2 rows) are the avx512 variant's bits at every row count (exact integer sums, the
 same float32 steps after them), down to the engine's tokens and logprobs; bf16's (every row
 count, K a whole number of 32-value tiles) hold to the float32 sums' bound and give each row the
-same bits at every row count; SiLU(gate) * up taken from the tiles is the product then
-silu_mul's bits (w8a8's on every variant: test_kernels_linear.py), down to a prefill's logprobs. The avx512 variant of the
-same build runs in a child process (INFERLAB_KERNELS=avx512). Skipped where this process has no
-amx variant, naming what is missing."""
+same bits at every row count. (SiLU(gate) * up from the tiles, bf16's and w8a8's, is tested with
+every variant's in test_kernels_linear.py.) The avx512 variant of the same build runs in a child
+process (INFERLAB_KERNELS=avx512). Skipped where this process has no amx variant, naming what is
+missing."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from epilogue_checks import assert_same_logprobs_with_the_path_off
 
 from inferlab import LLM, SamplingParams
 from inferlab.kernels import build
@@ -119,31 +118,3 @@ def test_w8a8_engine_on_tiles_gives_the_avx512_variants_tokens_and_logprobs(tmp_
     assert w8a8_engine_outputs(str(model)) == torch.load(tmp_path / "o.pt")
 
 
-def test_silu_from_the_tiles_gives_the_product_then_silu_mul_bits():
-    """linear_panels_silu multiplies each gate panel beside its up panel and takes SiLU(gate) * up
-    from the tiles' sums: the bits of silu_mul(product_bf16(x)), every row count, x in float32
-    or bf16; a weight it cannot take (a bias, a half not whole panels) says so."""
-    g = torch.Generator().manual_seed(5)
-    for k, inter in ((576, 1536), (64, 48), (96, 16), (130, 32)):  # 130: K rounded up to 160 in the panels
-        lin = WeightOnlyLinear(torch.randn(2 * inter, k, generator=g) * 0.05, torch.bfloat16)
-        assert lin.silu_tiles == ((k + 1) // 2 * 2 % 32 == 0)
-        if not lin.silu_tiles:
-            with pytest.raises(ValueError, match="product_silu_bf16 needs"):
-                lin.product_silu_bf16(torch.randn(3, k))
-            continue
-        for m in (*ROWS, 513):
-            for dtype in (torch.float32, torch.bfloat16):
-                x = (torch.randn(m, k, generator=g) * 3).to(dtype)
-                want = torch.ops.inferlab.silu_mul(lin.product_bf16(x))
-                got = lin.product_silu_bf16(x)
-                assert got.dtype == torch.bfloat16 and got.shape == (m, inter)
-                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (k, inter, m, dtype)
-    assert not WeightOnlyLinear(torch.randn(96, 64), torch.bfloat16, torch.randn(96)).silu_tiles  # a bias
-    assert not WeightOnlyLinear(torch.randn(80, 64), torch.bfloat16).silu_tiles  # halves of 40: not whole panels
-
-
-def test_prefills_with_silu_from_the_tiles_give_the_same_logprobs(tmp_path):
-    """The model takes SiLU(gate) * up from the tiles in its bf16 prefill steps (128+ rows), and
-    w8a8's in every step off the decode step (every variant's: test_kernels_linear.py): prompt and
-    sampled logprobs the same bits as with the product then silu_mul (silu_mul_q8)."""
-    assert_same_logprobs_with_the_path_off(tmp_path, (("auto", "silu_tiles"), ("w8a8", "silu_tiles_q8")))

@@ -762,6 +762,38 @@ def test_w8a8_silu_codes_from_the_gate_up_product_are_the_product_then_silu_mul_
         _variant_in_child("avx2", "from test_kernels_linear import silu_q8_is_the_product_then_silu_mul_q8 as f; f()")
 
 
+@BF16_PANELS
+def test_silu_from_the_gate_up_product_gives_the_product_then_silu_mul_bits():
+    """linear_panels_silu takes SiLU(gate) * up from the gate and up products' sums while they are
+    in cache (the amx variant's tiles, the avx512 variant's panel products): the bits of
+    silu_mul(product_bf16(x)), every row count, x in float32 or bf16; a weight it cannot take (a
+    bias, a half not whole panels) says so."""
+    g = torch.Generator().manual_seed(5)
+    for k, inter in ((576, 1536), (64, 48), (96, 16), (130, 32)):  # 130: K rounded up to 160 in the panels
+        lin = WeightOnlyLinear(torch.randn(2 * inter, k, generator=g) * 0.05, torch.bfloat16)
+        assert lin.silu_tiles == ((k + 1) // 2 * 2 % 32 == 0)
+        if not lin.silu_tiles:
+            with pytest.raises(ValueError, match="product_silu_bf16 needs"):
+                lin.product_silu_bf16(torch.randn(3, k))
+            continue
+        for m in (1, 2, 8, 15, 16, 17, 31, 32, 33, 48, 64, 100, 300, 513):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = (torch.randn(m, k, generator=g) * 3).to(dtype)
+                want = torch.ops.inferlab.silu_mul(lin.product_bf16(x))
+                got = lin.product_silu_bf16(x)
+                assert got.dtype == torch.bfloat16 and got.shape == (m, inter)
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (k, inter, m, dtype)
+    assert not WeightOnlyLinear(torch.randn(96, 64), torch.bfloat16, torch.randn(96)).silu_tiles  # a bias
+    assert not WeightOnlyLinear(torch.randn(80, 64), torch.bfloat16).silu_tiles  # halves of 40: not whole panels
+
+
+@BF16_PANELS
+def test_bf16_prefills_with_silu_from_the_gate_up_product_give_the_same_logprobs(tmp_path):
+    """The model takes SiLU(gate) * up from the gate_up product in its bf16 prefill steps (128+
+    rows): prompt and sampled logprobs the same bits as with the product then silu_mul."""
+    assert_same_logprobs_with_the_path_off(tmp_path, (("auto", "silu_tiles"),))
+
+
 @needs_int8_dot
 def test_w8a8_prefills_with_silu_codes_from_the_product_give_the_same_logprobs(tmp_path):
     """The model takes w8a8's SiLU(gate) * up codes from the gate_up product in every step off

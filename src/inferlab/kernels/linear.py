@@ -219,9 +219,10 @@ class WeightOnlyLinear:
         # Kept in float32, as the kernels take it; the fallback casts it to the activations' dtype.
         self.bias = bias.float().contiguous() if bias is not None else None
         self.use_kernels = kernel.available
-        # The amx variant can take SiLU(gate) * up straight from the tiles of a [gate; up] weight
-        # (`product_silu_bf16`): bf16 panels, no bias, each half whole panels.
-        self.silu_tiles = (self.bf16_products and kernel.amx and bias is None and self.out_features % 32 == 0
+        # SiLU(gate) * up can come straight from the products of a [gate; up] weight
+        # (`product_silu_bf16`: the amx variant's tiles, the avx512 variant's panel products into a
+        # buffer in cache): bf16 panels, no bias, each half whole panels.
+        self.silu_tiles = (self.bf16_products and bias is None and self.out_features % 32 == 0
                            and (self.in_features + 1) // 2 * 2 % 32 == 0)
         # From MKL_MIN_ROWS rows on, int8 weights (as bf16 codes x scales) go to oneDNN's bf16
         # GEMM there: x and the output rounded to bf16.
@@ -325,7 +326,8 @@ class WeightOnlyLinear:
         """silu(x @ W_gate^T) * (x @ W_up^T) in bf16 for a [gate; up] weight (`silu_tiles`): the bits
         of silu_mul(product_bf16(x)), without the [M, 2I] product written out and read back."""
         if not self.silu_tiles:
-            raise ValueError("product_silu_bf16 needs bf16 panels of a [gate; up] weight on the amx kernel variant")
+            raise ValueError("product_silu_bf16 needs bf16 panels of a [gate; up] weight without a bias, each half "
+                             "whole panels")
         return torch.ops.inferlab.linear_panels_silu(x, self.weight, self.out_features)
 
     def product_silu_q8(self, xq: torch.Tensor, sx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,7 +40,7 @@
 //       rotated, v, each float32 [T, heads, D], k and v written into the caches at `slots`; the
 //       same bits as the two operators one after the other (csrc/rope_kv.h holds the shared code).
 //   linear_panels_silu(Tensor x, Tensor panels, int n) -> Tensor
-//       (amx variant only) a gate/up weight [gate; up] of n rows (n a multiple of 32) in panels:
+//       (AVX-512 BF16 variants) a gate/up weight [gate; up] of n rows (n a multiple of 32) in panels:
 //       silu(x W_gate^T) * (x W_up^T), bf16 [..., n / 2], the bits of silu_mul(linear_panels(x,
 //       panels, n, out_bf16=True)), each gate panel multiplied beside its up panel and the SiLU
 //       taken from the tiles' sums: the [M, n] product is never written (a 1,024-token prefill of
@@ -453,21 +453,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_panels_rope_kv(
   return {a.q_t, a.k_t, a.v_t};
 }
 
+// A product's float32 sums as linear_panels(out_bf16) stores them and silu_mul widens them again.
+inline __m512 bf16_rounded(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
 #ifdef INFERLAB_AMX
 // silu(gate) * up from the gate/up panels' tiles, for M rows of x (bf16, stride ldx) and the
 // `np` panels from gate panel g0 on (up panel g0 + half with each): the 2 x 2 blocks multiply a
 // gate panel and its up panel, and their sums go out as the product then silu_mul would take
 // them (each rounded to bf16, widened, silu_mul16, rounded), so y's bits are those of
 // silu_mul(linear_panels(x, out_bf16)) without the [M, 2I] product written and read back.
-void amx_products_silu(const uint16_t* xb, int64_t ldx, int64_t M, int64_t kp, const uint16_t* gate,
-                       const uint16_t* up, int64_t np, at::BFloat16* y, int64_t ldy) {
+void products_silu_bf16(const uint16_t* xb, int64_t ldx, int64_t M, int64_t kp, int64_t /*K*/, const uint16_t* gate,
+                        const uint16_t* up, int64_t np, at::BFloat16* y, int64_t ldy, bool /*cold*/) {
   thread_local std::vector<uint16_t> tail_buf;
   const AmxRows<uint16_t> xr(xb, ldx, M, tail_buf);
   const AmxScope tiles(M);
   amx_operands_written();
-  const auto rounded = [](const float* v) {  // to bf16 and back, as the two-step path stores and widens
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(v))), 16));
-  };
   for (int64_t j = 0; j < np; ++j) {
     const uint16_t *wg = gate + j * kPanel * kp, *wu = up + j * kPanel * kp;
     for (int64_t m = 0; m < M; m += 32) {
@@ -478,10 +480,32 @@ void amx_products_silu(const uint16_t* xb, int64_t ldx, int64_t M, int64_t kp, c
       for (int t = 0; t < (v1 > 0 ? 2 : 1); ++t)
         for (int i = 0, valid = t ? v1 : v0; i < valid; ++i)
           store16(y + (m + t * 16 + i) * ldy + j * kPanel, __mmask16(0xffff),
-                  inferlab_rows::silu_mul16(rounded(c[t * 2][i]), rounded(c[t * 2 + 1][i])));
+                  inferlab_rows::silu_mul16(bf16_rounded(_mm512_load_ps(c[t * 2][i])),
+                                            bf16_rounded(_mm512_load_ps(c[t * 2 + 1][i]))));
     }
   }
 }
+#else
+// The same from the panel products (vdpbf16ps): the np gate panels' columns for the M rows (a
+// pass, <= kPanelRowBlock), then their up panels', into buffers of this thread's (in L2), then
+// silu_mul16 of the rounded sums, as the amx variant does from its tiles. Why: the [M, 2I]
+// product (bf16) went to memory and back for silu_mul.
+void products_silu_bf16(const uint16_t* xb, int64_t ldx, int64_t M, int64_t /*kp*/, int64_t K, const uint16_t* gate,
+                        const uint16_t* up, int64_t np, at::BFloat16* y, int64_t ldy, bool cold) {
+  thread_local std::vector<float> g, u;
+  const int64_t cols = np * kPanel;
+  g.resize(M * cols), u.resize(M * cols);
+  const auto* wg = reinterpret_cast<const at::BFloat16*>(gate);
+  const auto* wu = reinterpret_cast<const at::BFloat16*>(up);
+  panel_products_bf16(xb, ldx, M, K, wg, 0, cols, nullptr, nullptr, g.data(), cols, cold);
+  panel_products_bf16(xb, ldx, M, K, wu, 0, cols, nullptr, nullptr, u.data(), cols, cold);
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t c = 0; c < cols; c += kPanel)
+      store16(y + i * ldy + c, __mmask16(0xffff),
+              inferlab_rows::silu_mul16(bf16_rounded(_mm512_loadu_ps(g.data() + i * cols + c)),
+                                        bf16_rounded(_mm512_loadu_ps(u.data() + i * cols + c))));
+}
+#endif
 
 // linear_panels_silu(x, panels, n): silu(x W_gate^T) * (x W_up^T), bf16 [..., n / 2], for a gate/up
 // weight [gate; up] of n rows in panels, n a multiple of 32 (each half whole panels).
@@ -502,12 +526,11 @@ at::Tensor linear_panels_silu(const at::Tensor& x, const at::Tensor& panels, int
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   const int64_t gate_panels = half / kPanel;
   for_row_passes(M, gate_panels, [&](int64_t m0, int64_t mm, int64_t p0, int64_t p1) {  // as linear_panels
-    amx_products_silu(xp + m0 * kp, kp, mm, kp, wp + p0 * kPanel * kp, wp + (gate_panels + p0) * kPanel * kp, p1 - p0,
-                      yp + m0 * half + p0 * kPanel, half);
+    products_silu_bf16(xp + m0 * kp, kp, mm, kp, K, wp + p0 * kPanel * kp, wp + (gate_panels + p0) * kPanel * kp,
+                       p1 - p0, yp + m0 * half + p0 * kPanel, half, m0 == 0);
   }, kPanelsPerTile, kp * 2, 2 * kPanel * kp * 2);
   return y.view(out_sizes);
 }
-#endif
 
 #endif
 
@@ -967,8 +990,6 @@ TORCH_LIBRARY_FRAGMENT(inferlab, m) {
   m.def("linear_panels_rope_kv(Tensor x, Tensor panels, Tensor? bias, Tensor positions, Tensor cos, Tensor sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int H, int kvH, int D, Tensor? k_scale=None, "
         "Tensor? v_scale=None) -> (Tensor, Tensor, Tensor)");
-#endif
-#ifdef INFERLAB_AMX
   m.def("linear_panels_silu(Tensor x, Tensor panels, int n) -> Tensor");
 #endif
   m.def("linear_panels_i8_silu_q(Tensor xq, Tensor sx, int k, Tensor panels, Tensor corr, Tensor scale, int n) "
@@ -993,8 +1014,6 @@ TORCH_LIBRARY_IMPL(inferlab, CPU, m) {
   m.impl("linear_panels", &linear_panels);
   m.impl("linear_panels_argmax", &linear_panels_argmax);
   m.impl("linear_panels_rope_kv", &linear_panels_rope_kv);
-#endif
-#ifdef INFERLAB_AMX
   m.impl("linear_panels_silu", &linear_panels_silu);
 #endif
   m.impl("linear_panels_i8_silu_q", &linear_panels_i8_silu_q);
