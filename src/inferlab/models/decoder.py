@@ -152,9 +152,10 @@ class DecoderModel:
         # as int8 codes (fused.cpp's *_q8), not float32 rows it quantizes again.
         first = self.layers[0].qkv if self.layers else None
         self.q8_epilogues = self.backends.fused_layers and isinstance(first, WeightOnlyLinear) and first.i8_panels
-        # The amx variant: a bf16 prefill's SiLU(gate) * up comes straight from gate_up's tiles
-        # (kernels/linear.py product_silu_bf16), the same bits as the product then silu_mul; w8a8's
-        # as the down product's codes on every variant (product_silu_q8).
+        # A bf16 prefill's SiLU(gate) * up comes straight from the gate_up product while it is in
+        # cache (kernels/linear.py product_silu_bf16: the amx variant's tiles, the avx512 variant's
+        # panel products), the same bits as the product then silu_mul; w8a8's as the down
+        # product's codes on every variant (product_silu_q8).
         self.silu_tiles = self.bf16_products and all(getattr(layer.gate_up, "silu_tiles", False)
                                                      for layer in self.layers)
         self.silu_tiles_q8 = self.q8_epilogues and all(getattr(layer.gate_up, "silu_tiles_q8", False)
@@ -317,8 +318,8 @@ class DecoderModel:
                                    bf16_decode=self.precision.bf16_decode_attention)
             if q8:
                 normed = ops.add_rms_norm_q8_(x, layer.o(attn), layer.post_norm, c.rms_norm_eps)
-                # A prefill's rows take SiLU's codes from the gate_up product, as the bf16 path does on
-                # amx (a few rows' products run faster on their own; the bits are the same either way).
+                # A prefill's rows take SiLU's codes from the gate_up product, as the bf16 path does
+                # (a few rows' products run faster on their own; the bits are the same either way).
                 if self.silu_tiles_q8 and t >= MKL_MIN_ROWS:
                     delta = layer.down.product_q8(*layer.gate_up.product_silu_q8(*normed))
                 else:

@@ -42,9 +42,11 @@
 //   linear_panels_silu(Tensor x, Tensor panels, int n) -> Tensor
 //       (AVX-512 BF16 variants) a gate/up weight [gate; up] of n rows (n a multiple of 32) in panels:
 //       silu(x W_gate^T) * (x W_up^T), bf16 [..., n / 2], the bits of silu_mul(linear_panels(x,
-//       panels, n, out_bf16=True)), each gate panel multiplied beside its up panel and the SiLU
-//       taken from the tiles' sums: the [M, n] product is never written (a 1,024-token prefill of
-//       SmolLM2 wrote and read back 6 MB a layer, and the separate silu_mul was ~7% of its time).
+//       panels, n, out_bf16=True)), the SiLU taken from the gate and up sums while they are in
+//       cache (the amx variant's tiles, each gate panel beside its up panel; elsewhere a pass's
+//       columns into a buffer: products_silu_bf16): the [M, n] product is never written (a
+//       1,024-token prefill of SmolLM2 wrote and read back 6 MB a layer, and the separate
+//       silu_mul was ~7% of its time on the Xeon).
 //   linear_panels_i8_silu_q(Tensor xq, Tensor sx, int k, Tensor panels, Tensor corr, Tensor scale, int n)
 //       -> (Tensor, Tensor)
 //       w8a8's the same: a [gate; up] weight of n rows (n a multiple of 128) in panels, x as codes
